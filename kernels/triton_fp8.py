@@ -1,0 +1,37 @@
+"""Triton device helpers shared by every COAT kernel.
+
+`round_to_fp8_grid` rounds fp32 to the nearest-even FP8 value (saturating) with plain fp32 arithmetic, so that the
+following `.to(fp8)` cast is exact. GPU and TRITON_INTERPRET then give the same codes, which the interpreter's own
+fp32->fp8 cast does not (it mis-rounds values whose mantissa carries into the exponent, e.g. -127.76 -> -64).
+"""
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def round_to_fp8_grid(y, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Nearest-even FP8 value of fp32 `y`, clamped to +-FP8_MAX; NaN stays NaN. Result is still fp32."""
+    a = tl.abs(y)
+    exp = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    step_exp = tl.maximum(exp, MIN_NORMAL_EXP) - MANTISSA_BITS  # spacing of the FP8 grid around a
+    step = ((step_exp + 127) << 23).to(tl.float32, bitcast=True)
+    inv_step = ((127 - step_exp) << 23).to(tl.float32, bitcast=True)
+    # adding and subtracting 1.5 * 2**23 rounds |t| < 2**22 to an integer, ties to even
+    r = ((a * inv_step + 12582912.0) - 12582912.0) * step
+    r = tl.minimum(r, FP8_MAX)
+    r = tl.where(a != a, a, r)  # keep NaN
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def to_e4m3(y):
+    return round_to_fp8_grid(y, 3, -6, 448.0).to(tl.float8e4nv)
+
+
+@triton.jit
+def to_e5m2(y):
+    return round_to_fp8_grid(y, 2, -14, 57344.0).to(tl.float8e5)
