@@ -1,0 +1,166 @@
+"""PyTorch reference of COAT's FP8 group quantization with Dynamic Range Expansion, and of the fused AdamW step.
+
+This is the CPU path and the test oracle of the Triton kernels (`dre_triton.py`), which evaluate the same fp32
+operations in the same order (IEEE division and square root, no FMA contraction), so on the GPU both give the
+same FP8 codes. Per group X (COAT_METHOD.md section 1): M = max|X|, m = min of the nonzero |X|, R = M/m,
+k = floor(E*log2(Q^2/2)/log2 R)/E clamped to [1, k_max] (k = 1 when R <= 1 + 2^-20), c = sqrt(M)*sqrt(m),
+y = sign(x)|x/c|^k, s = (M/c)^k / Q, code = fp8(y/s). All-zero groups store zero codes and s = 0.
+Metadata per group is fp32 [3, n_groups]: rows scale, k, center.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from .formats import FP8Format, get_format
+from .grouping import GroupLayout
+
+R_EPS = 2.0 ** -20  # R <= 1 + R_EPS counts as constant magnitude: k = 1
+
+
+def f32(x: float) -> float:
+    """Round a Python float to the nearest fp32 value, so host scalars are identical in torch and Triton."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+@dataclass(frozen=True)
+class DREConfig:
+    fmt: FP8Format
+    expand: bool = True
+    expand_min: int = 16
+    k_max: float = 16.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "fmt", get_format(self.fmt))
+        if self.expand_min < 1:
+            raise ValueError(f"expand_min must be >= 1, got {self.expand_min}")
+        if not self.k_max >= 1:
+            raise ValueError(f"k_max must be >= 1 (COAT never compresses), got {self.k_max}")
+
+    @property
+    def expand_numerator(self) -> float:
+        """E * log2(Q^2 / 2), the numerator of k before the floor."""
+        return f32(self.expand_min * math.log2(self.fmt.max ** 2 / 2))
+
+
+def _quantize_rows(x: torch.Tensor, mask: torch.Tensor, cfg: DREConfig):
+    """x fp32 [n, G] (masked positions ignored) -> codes fp8 [n, G], meta fp32 [3, n]."""
+    ax = x.abs().masked_fill(~mask, 0.0)
+    big = ax.amax(dim=1)
+    small = torch.where(ax > 0, ax, torch.inf).amin(dim=1)
+    nonzero = big > 0
+    one = torch.ones_like(big)
+    big_s, small_s = torch.where(nonzero, big, one), torch.where(nonzero, small, one)
+    if cfg.expand:
+        ratio = big_s / small_s
+        k = torch.floor(cfg.expand_numerator / torch.log2(ratio)) / float(cfg.expand_min)
+        k = k.clamp(1.0, f32(cfg.k_max))
+        k = torch.where((ratio <= 1.0 + R_EPS) | ~nonzero, one, k)
+        center = torch.where(nonzero, torch.sqrt(big_s) * torch.sqrt(small_s), one)
+    else:
+        k, center = one, one
+    unit = (k == 1)[:, None]
+    t = ax / center[:, None]
+    y = torch.where(unit, t, torch.exp2(k[:, None] * torch.log2(t)))
+    top = big_s / center
+    top = torch.where(k == 1, top, torch.exp2(k * torch.log2(top)))
+    scale = torch.where(nonzero, top / cfg.fmt.max, torch.zeros_like(big))
+    yq = y / torch.where(nonzero, scale, one)[:, None]
+    codes = cfg.fmt.quantize(torch.where(x < 0, -yq, yq))
+    return codes, torch.stack([scale, k, center])
+
+
+def _dequantize_rows(codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    scale, k, center = meta
+    q = codes.float()
+    u = q.abs() * scale[:, None]
+    xa = torch.where((k == 1)[:, None], u, torch.exp2(torch.log2(u) / k[:, None])) * center[:, None]
+    return torch.where(q < 0, -xa, xa)
+
+
+def _group_index(layout: GroupLayout, device):
+    starts, lengths = layout.group_bounds(device)
+    cols = torch.arange(layout.group_size, device=device)
+    mask = cols[None, :] < lengths[:, None]
+    index = (starts[:, None] + cols[None, :]).clamp(max=max(layout.numel - 1, 0))
+    return index, mask
+
+
+def _take(codes: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """codes[index] for FP8 tensors (CPU indexing kernels lack FP8)."""
+    return codes.view(torch.uint8)[index].view(codes.dtype)
+
+
+def quantize(x: torch.Tensor, layout: GroupLayout, cfg: DREConfig):
+    """Flat fp32 x -> (codes fp8 [numel], meta fp32 [3, n_groups]); elements outside groups get code 0."""
+    index, mask = _group_index(layout, x.device)
+    codes2d, meta = _quantize_rows(x.reshape(-1).float()[index], mask, cfg)
+    codes = torch.zeros(layout.numel, dtype=cfg.fmt.dtype, device=x.device)
+    codes.view(torch.uint8)[index[mask]] = codes2d.view(torch.uint8)[mask]
+    return codes, meta
+
+
+def dequantize(codes: torch.Tensor, meta: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
+    index, mask = _group_index(layout, codes.device)
+    out = torch.zeros(layout.numel, dtype=torch.float32, device=codes.device)
+    out[index[mask]] = _dequantize_rows(_take(codes, index), meta)[mask]
+    return out
+
+
+@dataclass(frozen=True)
+class AdamWScalars:
+    """Per-tensor fp32 constants of one AdamW step (torch.optim.AdamW's formulas, t counted from 1)."""
+    decay: float  # 1 - lr * weight_decay
+    step_size: float  # lr / (1 - beta1^t)
+    bias_correction2_sqrt: float
+    eps: float
+    beta1: float
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+
+    @classmethod
+    def make(cls, lr, beta1, beta2, eps, weight_decay, step):
+        return cls(*(f32(v) for v in (1 - lr * weight_decay, lr / (1 - beta1 ** step),
+                                      math.sqrt(1 - beta2 ** step), eps, beta1, 1 - beta1, beta2, 1 - beta2)))
+
+
+def adamw_update(p, g, m, v, h: AdamWScalars):
+    """One AdamW step on fp32 tensors (any shape). Returns (new p, new m, new v); the same op order as the kernel."""
+    m = m * h.beta1 + g * h.one_minus_beta1
+    v = v * h.beta2 + (g * g) * h.one_minus_beta2
+    p = p * h.decay
+    denom = torch.sqrt(v) / h.bias_correction2_sqrt + h.eps
+    p = p - h.step_size * (m / denom)
+    return p, m, v
+
+
+def fused_adamw_step(param, grad, m_codes, m_meta, v_codes, v_meta, layout: GroupLayout, h: AdamWScalars,
+                     m_cfg: DREConfig, v_cfg: DREConfig, skip_nonfinite: bool = True) -> torch.Tensor:
+    """In place: dequantize moments, AdamW, re-quantize; only elements inside groups change.
+
+    Groups whose gradient holds NaN/Inf keep their parameters, codes and metadata when skip_nonfinite.
+    Returns the number of skipped groups (0-dim int64 tensor, on param's device).
+    """
+    index, mask = _group_index(layout, param.device)
+    p_flat, g_flat = param.view(-1), grad.reshape(-1)
+    p = p_flat[index].float()
+    g = g_flat[index].float().masked_fill(~mask, 0.0)
+    m = _dequantize_rows(_take(m_codes, index), m_meta)
+    v = _dequantize_rows(_take(v_codes, index), v_meta)
+    p, m, v = adamw_update(p, g, m, v, h)
+    mq, new_m_meta = _quantize_rows(m, mask, m_cfg)
+    vq, new_v_meta = _quantize_rows(v, mask, v_cfg)
+    bad = ~torch.isfinite(g).all(dim=1) if skip_nonfinite else torch.zeros(len(g), dtype=torch.bool, device=g.device)
+    write = mask & ~bad[:, None]
+    idx = index[write]
+    p_flat[idx] = p[write].to(p_flat.dtype)
+    m_codes.view(torch.uint8)[idx] = mq.view(torch.uint8)[write]
+    v_codes.view(torch.uint8)[idx] = vq.view(torch.uint8)[write]
+    keep = bad[None, :]
+    m_meta.copy_(torch.where(keep, m_meta, new_m_meta))
+    v_meta.copy_(torch.where(keep, v_meta, new_v_meta))
+    return bad.sum()
