@@ -1,8 +1,8 @@
 """PyTorch reference of COAT's FP8 group quantization with Dynamic Range Expansion, and of the fused AdamW step.
 
 This is the CPU path and the test oracle of the Triton kernels (`dre_triton.py`), which evaluate the same fp32
-operations in the same order (IEEE division and square root, no FMA contraction), so on the GPU both give the
-same FP8 codes. Per group X (COAT_METHOD.md section 1): M = max|X|, m = min of the nonzero |X|, R = M/m,
+operations in the same order (IEEE division and square root, portable log2/exp2, no FMA contraction), so both
+give the same FP8 codes, on the GPU and under TRITON_INTERPRET. Per group X (COAT_METHOD.md section 1): M = max|X|, m = min of the nonzero |X|, R = M/m,
 k = floor(E*log2(Q^2/2)/log2 R)/E clamped to [1, k_max] (k = 1 when R <= 1 + 2^-20), c = sqrt(M)*sqrt(m),
 y = sign(x)|x/c|^k, s = (M/c)^k / Q, code = fp8(y/s). All-zero groups store zero codes and s = 0.
 Metadata per group is fp32 [3, n_groups]: rows scale, k, center.
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import portable_math as pm
 from .formats import FP8Format, get_format
 from .grouping import GroupLayout
 
@@ -46,6 +47,16 @@ class DREConfig:
         return f32(self.expand_min * math.log2(self.fmt.max ** 2 / 2))
 
 
+def _full(like: torch.Tensor, value: float) -> torch.Tensor:
+    """A tensor operand for divisions: torch divides by a Python scalar through its reciprocal on CUDA."""
+    return torch.full_like(like, value)
+
+
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 square root (torch's CPU fp32 sqrt is not; the double one is, and rounds back exactly)."""
+    return torch.sqrt(x.double()).float()
+
+
 def _quantize_rows(x: torch.Tensor, mask: torch.Tensor, cfg: DREConfig):
     """x fp32 [n, G] (masked positions ignored) -> codes fp8 [n, G], meta fp32 [3, n]."""
     ax = x.abs().masked_fill(~mask, 0.0)
@@ -56,29 +67,34 @@ def _quantize_rows(x: torch.Tensor, mask: torch.Tensor, cfg: DREConfig):
     big_s, small_s = torch.where(nonzero, big, one), torch.where(nonzero, small, one)
     if cfg.expand:
         ratio = big_s / small_s
-        k = torch.floor(cfg.expand_numerator / torch.log2(ratio)) / float(cfg.expand_min)
+        k = torch.floor(_full(ratio, cfg.expand_numerator) / pm.log2(ratio)) / _full(ratio, cfg.expand_min)
         k = k.clamp(1.0, f32(cfg.k_max))
         k = torch.where((ratio <= 1.0 + R_EPS) | ~nonzero, one, k)
-        center = torch.where(nonzero, torch.sqrt(big_s) * torch.sqrt(small_s), one)
+        center = torch.where(nonzero, _sqrt(big_s) * _sqrt(small_s), one)
     else:
         k, center = one, one
-    unit = (k == 1)[:, None]
-    t = ax / center[:, None]
-    y = torch.where(unit, t, torch.exp2(k[:, None] * torch.log2(t)))
+    unit = k == 1
     top = big_s / center
-    top = torch.where(k == 1, top, torch.exp2(k * torch.log2(top)))
-    scale = torch.where(nonzero, top / cfg.fmt.max, torch.zeros_like(big))
-    yq = y / torch.where(nonzero, scale, one)[:, None]
+    top = torch.where(unit, top, pm.exp2(k * pm.log2(top)))  # (M/c)^k
+    scale = torch.where(nonzero, top / _full(top, cfg.fmt.max), torch.zeros_like(big))
+    # code = (|x|/c)^k / s, evaluated as exp2(k*log2|x| - (k*log2 c + log2 s)); k = 1: |x| / (c*s)
+    inv_cs = one / torch.where(nonzero, center * scale, one)
+    offset = k * pm.log2(center) + pm.log2(scale)
+    yq = torch.where(unit[:, None], ax * inv_cs[:, None], pm.exp2(k[:, None] * pm.log2(ax) - offset[:, None]))
     codes = cfg.fmt.quantize(torch.where(x < 0, -yq, yq))
     return codes, torch.stack([scale, k, center])
 
 
 def _dequantize_rows(codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """x = sign(q) |q s|^(1/k) c, evaluated as exp2(log2|q| / k + log2(s) / k) * c; k = 1: |q| * (s*c)."""
     scale, k, center = meta
-    q = codes.float()
-    u = q.abs() * scale[:, None]
-    xa = torch.where((k == 1)[:, None], u, torch.exp2(torch.log2(u) / k[:, None])) * center[:, None]
-    return torch.where(q < 0, -xa, xa)
+    raw = codes.view(torch.uint8).long()
+    log2_code = get_format(codes.dtype).log2_table(codes.device)[raw & 0x7F]
+    inv_k = torch.ones_like(k) / k
+    expanded = pm.exp2(log2_code * inv_k[:, None] + (pm.log2(scale) * inv_k)[:, None]) * center[:, None]
+    linear = codes.float().abs() * (scale * center)[:, None]
+    xa = torch.where((k == 1)[:, None], linear, expanded)
+    return torch.where(raw >= 128, -xa, xa)
 
 
 def _group_index(layout: GroupLayout, device):
@@ -115,7 +131,7 @@ class AdamWScalars:
     """Per-tensor fp32 constants of one AdamW step (torch.optim.AdamW's formulas, t counted from 1)."""
     decay: float  # 1 - lr * weight_decay
     step_size: float  # lr / (1 - beta1^t)
-    bias_correction2_sqrt: float
+    inv_bias_correction2_sqrt: float  # 1 / sqrt(1 - beta2^t)
     eps: float
     beta1: float
     one_minus_beta1: float
@@ -125,7 +141,7 @@ class AdamWScalars:
     @classmethod
     def make(cls, lr, beta1, beta2, eps, weight_decay, step):
         return cls(*(f32(v) for v in (1 - lr * weight_decay, lr / (1 - beta1 ** step),
-                                      math.sqrt(1 - beta2 ** step), eps, beta1, 1 - beta1, beta2, 1 - beta2)))
+                                      1 / math.sqrt(1 - beta2 ** step), eps, beta1, 1 - beta1, beta2, 1 - beta2)))
 
 
 def adamw_update(p, g, m, v, h: AdamWScalars):
@@ -133,7 +149,7 @@ def adamw_update(p, g, m, v, h: AdamWScalars):
     m = m * h.beta1 + g * h.one_minus_beta1
     v = v * h.beta2 + (g * g) * h.one_minus_beta2
     p = p * h.decay
-    denom = torch.sqrt(v) / h.bias_correction2_sqrt + h.eps
+    denom = _sqrt(v) * h.inv_bias_correction2_sqrt + h.eps
     p = p - h.step_size * (m / denom)
     return p, m, v
 

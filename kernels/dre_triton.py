@@ -1,7 +1,7 @@
 """Triton kernels: FP8 group quantization with Dynamic Range Expansion, and the fused multi-tensor AdamW step.
 
-Same math and operation order as `dre_reference.py` (IEEE div/sqrt, libdevice exp2/log2 on the GPU, FMA
-contraction off), so GPU codes match the reference bit for bit. One program handles one row: up to
+Same math and operation order as `dre_reference.py` (IEEE div/sqrt, portable_math's log2/exp2, FMA contraction
+off), so codes match the reference bit for bit on the GPU and under TRITON_INTERPRET. One program handles one row: up to
 GROUPS_PER_ROW consecutive groups of one tensor (`GroupLayout.rows`); a launch covers many tensors through a
 pointer table, with no host synchronisation.
 """
@@ -10,60 +10,45 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from .dre_reference import R_EPS, AdamWScalars, DREConfig, f32
+from .formats import get_format
 from .grouping import GroupLayout
-from .triton_fp8 import INTERPRET, to_e4m3, to_e5m2
+from .portable_math import exp2_p, log2_p
+from .triton_fp8 import to_e4m3, to_e5m2
 
 GROUPS_PER_ROW = 8
-_ACCURATE = not INTERPRET  # libdevice exp2/log2 match torch's CUDA exp2f/log2f; the interpreter lacks libdevice
 CONSTANT_RATIO: tl.constexpr = tl.constexpr(1.0 + R_EPS)  # R at or below this: k = 1
 
 
 @triton.jit
-def _exp2(x, ACCURATE: tl.constexpr):
-    if ACCURATE:
-        return libdevice.exp2(x)
-    else:
-        return tl.exp2(x)
-
-
-@triton.jit
-def _log2(x, ACCURATE: tl.constexpr):
-    if ACCURATE:
-        return libdevice.log2(x)
-    else:
-        return tl.log2(x)
-
-
-@triton.jit
 def _quantize_groups(x, mask, EXPAND: tl.constexpr, IS_E5M2: tl.constexpr, FP8_MAX: tl.constexpr,
-                     EXPAND_NUM: tl.constexpr, EXPAND_MIN: tl.constexpr, K_MAX: tl.constexpr,
-                     ACCURATE: tl.constexpr):
-    """x fp32 [NG, G] -> (codes fp8 [NG, G], scale [NG], k [NG], center [NG])."""
+                     EXPAND_NUM: tl.constexpr, EXPAND_MIN: tl.constexpr, K_MAX: tl.constexpr):
+    """x fp32 [NG, G] -> (codes fp8 [NG, G], scale [NG], k [NG], center [NG]); see dre_reference._quantize_rows."""
     ax = tl.where(mask, tl.abs(x), 0.0)
     big = tl.max(ax, axis=1)
     small = tl.min(tl.where(ax > 0, ax, float("inf")), axis=1)
     nonzero = big > 0
     big_s = tl.where(nonzero, big, 1.0)
     small_s = tl.where(nonzero, small, 1.0)
+    one = tl.full(big.shape, 1.0, tl.float32)
     if EXPAND:
         ratio = tl.math.div_rn(big_s, small_s)
-        k = tl.math.div_rn(tl.floor(tl.math.div_rn(EXPAND_NUM, _log2(ratio, ACCURATE))), EXPAND_MIN * 1.0)
+        k = tl.floor(tl.math.div_rn(one * EXPAND_NUM, log2_p(ratio)))
+        k = tl.math.div_rn(k, one * EXPAND_MIN)
         k = tl.minimum(tl.maximum(k, 1.0), K_MAX)
         k = tl.where((ratio <= CONSTANT_RATIO) | (big == 0), 1.0, k)
         center = tl.where(nonzero, tl.math.sqrt_rn(big_s) * tl.math.sqrt_rn(small_s), 1.0)
     else:
-        k = tl.full(big.shape, 1.0, tl.float32)
-        center = tl.full(big.shape, 1.0, tl.float32)
-    unit = (k == 1.0)[:, None]
-    t = tl.math.div_rn(ax, center[:, None])
-    y = tl.where(unit, t, _exp2(k[:, None] * _log2(t, ACCURATE), ACCURATE))
+        k = one
+        center = one
+    unit = k == 1.0
     top = tl.math.div_rn(big_s, center)
-    top = tl.where(k == 1.0, top, _exp2(k * _log2(top, ACCURATE), ACCURATE))
-    scale = tl.where(nonzero, tl.math.div_rn(top, FP8_MAX), 0.0)
-    yq = tl.math.div_rn(y, tl.where(nonzero, scale, 1.0)[:, None])
+    top = tl.where(unit, top, exp2_p(k * log2_p(top)))
+    scale = tl.where(nonzero, tl.math.div_rn(top, one * FP8_MAX), 0.0)
+    inv_cs = tl.math.div_rn(one, tl.where(nonzero, center * scale, 1.0))
+    offset = k * log2_p(center) + log2_p(scale)
+    yq = tl.where(unit[:, None], ax * inv_cs[:, None], exp2_p(k[:, None] * log2_p(ax) - offset[:, None]))
     yq = tl.where(x < 0, -yq, yq)
     if IS_E5M2:
         codes = to_e5m2(yq)
@@ -73,12 +58,19 @@ def _quantize_groups(x, mask, EXPAND: tl.constexpr, IS_E5M2: tl.constexpr, FP8_M
 
 
 @triton.jit
-def _dequantize_groups(q, scale, k, center, ACCURATE: tl.constexpr):
-    """q fp32 codes [NG, G] -> fp32 values."""
-    u = tl.abs(q) * scale[:, None]
-    xa = tl.where((k == 1.0)[:, None], u, _exp2(tl.math.div_rn(_log2(u, ACCURATE), k[:, None]), ACCURATE))
-    xa = xa * center[:, None]
-    return tl.where(q < 0, -xa, xa)
+def _dequantize_groups(raw, log2_table, scale, k, center, IS_E5M2: tl.constexpr):
+    """raw uint8 codes [NG, G] -> fp32 values; see dre_reference._dequantize_rows."""
+    mag = raw & 0x7F
+    log2_code = tl.load(log2_table + mag)
+    inv_k = tl.math.div_rn(tl.full(k.shape, 1.0, tl.float32), k)
+    expanded = exp2_p(log2_code * inv_k[:, None] + (log2_p(scale) * inv_k)[:, None]) * center[:, None]
+    if IS_E5M2:
+        q = mag.to(tl.float8e5, bitcast=True).to(tl.float32)
+    else:
+        q = mag.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    linear = q * (scale * center)[:, None]
+    xa = tl.where((k == 1.0)[:, None], linear, expanded)
+    return tl.where(raw >= 128, -xa, xa)
 
 
 @triton.jit
@@ -90,22 +82,47 @@ def _ptr(table, col: tl.constexpr, dtype: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
+def _load_meta(meta, n_groups, gid, gmask):
+    scale = tl.load(meta + gid, mask=gmask, other=0.0)
+    k = tl.load(meta + n_groups + gid, mask=gmask, other=1.0)
+    center = tl.load(meta + 2 * n_groups + gid, mask=gmask, other=1.0)
+    return scale, k, center
+
+
+@triton.jit
+def _store_meta(meta, n_groups, gid, gmask, scale, k, center):
+    tl.store(meta + gid, scale, mask=gmask)
+    tl.store(meta + n_groups + gid, k, mask=gmask)
+    tl.store(meta + 2 * n_groups + gid, center, mask=gmask)
+
+
+@triton.jit
+def _row_tile(row, GROUP: tl.constexpr, NG: tl.constexpr):
+    """Element offsets [NG, GROUP] and group ids [NG] of one row (flat_start, numel, first_group), with masks."""
+    start = tl.load(row)
+    numel = tl.load(row + 1)
+    first_group = tl.load(row + 2)
+    local = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    gid = first_group + tl.arange(0, NG)
+    return start, local, local < numel, gid, tl.arange(0, NG) * GROUP < numel
+
+
+@triton.jit
 def _fused_adamw_kernel(
-    rows, tensors, scalars, skipped,
+    rows, tensors, scalars, skipped, m_log2_table, v_log2_table,
     P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
     M_E5M2: tl.constexpr, M_EXPAND: tl.constexpr, M_MAX: tl.constexpr, M_NUM: tl.constexpr,
     M_EMIN: tl.constexpr, M_KMAX: tl.constexpr,
     V_E5M2: tl.constexpr, V_EXPAND: tl.constexpr, V_MAX: tl.constexpr, V_NUM: tl.constexpr,
     V_EMIN: tl.constexpr, V_KMAX: tl.constexpr, SKIP_NONFINITE: tl.constexpr,
-    GROUP: tl.constexpr, NG: tl.constexpr, ALIGNED: tl.constexpr, ACCURATE: tl.constexpr,
+    GROUP: tl.constexpr, NG: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     row = rows + tl.program_id(0) * 4
     t = tl.load(row)
-    start = tl.load(row + 1)
-    numel = tl.load(row + 2)
-    first_group = tl.load(row + 3)
+    start, local, mask, gid, gmask = _row_tile(row + 1, GROUP, NG)
     if ALIGNED:
         start = tl.multiple_of(start, 16)
+    offs = start + local
     tab = tensors + t * 8
     p_ptr = _ptr(tab, 0, P_DTYPE, ALIGNED)
     g_ptr = _ptr(tab, 1, G_DTYPE, ALIGNED)
@@ -114,52 +131,32 @@ def _fused_adamw_kernel(
     m_meta = _ptr(tab, 4, tl.float32, False)
     v_meta = _ptr(tab, 5, tl.float32, False)
     n_groups = tl.load(tab + 6)
-    sc = scalars + t * 8
+    sc = scalars + t * 8  # AdamWScalars, in field order
     decay = tl.load(sc)
     step_size = tl.load(sc + 1)
-    bc2_sqrt = tl.load(sc + 2)
+    inv_bc2_sqrt = tl.load(sc + 2)
     eps = tl.load(sc + 3)
     beta1 = tl.load(sc + 4)
     one_minus_beta1 = tl.load(sc + 5)
     beta2 = tl.load(sc + 6)
     one_minus_beta2 = tl.load(sc + 7)
 
-    local = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    mask = local < numel
-    offs = start + local
-    gid = first_group + tl.arange(0, NG)
-    gmask = tl.arange(0, NG) * GROUP < numel
-
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if M_E5M2:
-        mq = tl.load(mq_ptr + offs, mask=mask, other=0).to(tl.float8e5, bitcast=True).to(tl.float32)
-    else:
-        mq = tl.load(mq_ptr + offs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    if V_E5M2:
-        vq = tl.load(vq_ptr + offs, mask=mask, other=0).to(tl.float8e5, bitcast=True).to(tl.float32)
-    else:
-        vq = tl.load(vq_ptr + offs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    m_scale = tl.load(m_meta + gid, mask=gmask, other=0.0)
-    m_k = tl.load(m_meta + n_groups + gid, mask=gmask, other=1.0)
-    m_c = tl.load(m_meta + 2 * n_groups + gid, mask=gmask, other=1.0)
-    v_scale = tl.load(v_meta + gid, mask=gmask, other=0.0)
-    v_k = tl.load(v_meta + n_groups + gid, mask=gmask, other=1.0)
-    v_c = tl.load(v_meta + 2 * n_groups + gid, mask=gmask, other=1.0)
+    m_scale, m_k, m_c = _load_meta(m_meta, n_groups, gid, gmask)
+    v_scale, v_k, v_c = _load_meta(v_meta, n_groups, gid, gmask)
+    m = _dequantize_groups(tl.load(mq_ptr + offs, mask=mask, other=0), m_log2_table, m_scale, m_k, m_c, M_E5M2)
+    v = _dequantize_groups(tl.load(vq_ptr + offs, mask=mask, other=0), v_log2_table, v_scale, v_k, v_c, V_E5M2)
 
-    m = _dequantize_groups(mq, m_scale, m_k, m_c, ACCURATE)
-    v = _dequantize_groups(vq, v_scale, v_k, v_c, ACCURATE)
     m = m * beta1 + g * one_minus_beta1
     v = v * beta2 + (g * g) * one_minus_beta2
     p = p * decay
-    denom = tl.math.div_rn(tl.math.sqrt_rn(v), bc2_sqrt) + eps
+    denom = tl.math.sqrt_rn(v) * inv_bc2_sqrt + eps
     p = p - step_size * tl.math.div_rn(m, denom)
 
-    m_codes, m_scale, m_k, m_c = _quantize_groups(m, mask, M_EXPAND, M_E5M2, M_MAX, M_NUM, M_EMIN, M_KMAX,
-                                                  ACCURATE)
-    v_codes, v_scale, v_k, v_c = _quantize_groups(v, mask, V_EXPAND, V_E5M2, V_MAX, V_NUM, V_EMIN, V_KMAX,
-                                                  ACCURATE)
-    if SKIP_NONFINITE:
+    m_codes, m_scale, m_k, m_c = _quantize_groups(m, mask, M_EXPAND, M_E5M2, M_MAX, M_NUM, M_EMIN, M_KMAX)
+    v_codes, v_scale, v_k, v_c = _quantize_groups(v, mask, V_EXPAND, V_E5M2, V_MAX, V_NUM, V_EMIN, V_KMAX)
+    if SKIP_NONFINITE:  # groups with NaN/Inf gradients keep everything
         finite = (g == g) & (tl.abs(g) != float("inf"))
         bad = tl.max(tl.where(mask & ~finite, 1, 0), axis=1) > 0
         n_bad = tl.sum(bad.to(tl.int32), axis=0)
@@ -169,54 +166,28 @@ def _fused_adamw_kernel(
     tl.store(p_ptr + offs, p.to(P_DTYPE), mask=mask)
     tl.store(mq_ptr + offs, m_codes.to(tl.uint8, bitcast=True), mask=mask)
     tl.store(vq_ptr + offs, v_codes.to(tl.uint8, bitcast=True), mask=mask)
-    tl.store(m_meta + gid, m_scale, mask=gmask)
-    tl.store(m_meta + n_groups + gid, m_k, mask=gmask)
-    tl.store(m_meta + 2 * n_groups + gid, m_c, mask=gmask)
-    tl.store(v_meta + gid, v_scale, mask=gmask)
-    tl.store(v_meta + n_groups + gid, v_k, mask=gmask)
-    tl.store(v_meta + 2 * n_groups + gid, v_c, mask=gmask)
+    _store_meta(m_meta, n_groups, gid, gmask, m_scale, m_k, m_c)
+    _store_meta(v_meta, n_groups, gid, gmask, v_scale, v_k, v_c)
 
 
 @triton.jit
 def _quantize_kernel(x_ptr, codes_ptr, meta, rows, n_groups, E5M2: tl.constexpr, EXPAND: tl.constexpr,
                      MAX: tl.constexpr, NUM: tl.constexpr, EMIN: tl.constexpr, KMAX: tl.constexpr,
-                     GROUP: tl.constexpr, NG: tl.constexpr, ACCURATE: tl.constexpr):
-    row = rows + tl.program_id(0) * 3
-    start = tl.load(row)
-    numel = tl.load(row + 1)
-    first_group = tl.load(row + 2)
-    local = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    mask = local < numel
-    gid = first_group + tl.arange(0, NG)
-    gmask = tl.arange(0, NG) * GROUP < numel
+                     GROUP: tl.constexpr, NG: tl.constexpr):
+    start, local, mask, gid, gmask = _row_tile(rows + tl.program_id(0) * 3, GROUP, NG)
     x = tl.load(x_ptr + start + local, mask=mask, other=0.0).to(tl.float32)
-    codes, scale, k, center = _quantize_groups(x, mask, EXPAND, E5M2, MAX, NUM, EMIN, KMAX, ACCURATE)
+    codes, scale, k, center = _quantize_groups(x, mask, EXPAND, E5M2, MAX, NUM, EMIN, KMAX)
     tl.store(codes_ptr + start + local, codes.to(tl.uint8, bitcast=True), mask=mask)
-    tl.store(meta + gid, scale, mask=gmask)
-    tl.store(meta + n_groups + gid, k, mask=gmask)
-    tl.store(meta + 2 * n_groups + gid, center, mask=gmask)
+    _store_meta(meta, n_groups, gid, gmask, scale, k, center)
 
 
 @triton.jit
-def _dequantize_kernel(codes_ptr, meta, out_ptr, rows, n_groups, IS_E5M2: tl.constexpr, GROUP: tl.constexpr,
-                       NG: tl.constexpr, ACCURATE: tl.constexpr):
-    row = rows + tl.program_id(0) * 3
-    start = tl.load(row)
-    numel = tl.load(row + 1)
-    first_group = tl.load(row + 2)
-    local = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    mask = local < numel
-    gid = first_group + tl.arange(0, NG)
-    gmask = tl.arange(0, NG) * GROUP < numel
+def _dequantize_kernel(codes_ptr, meta, out_ptr, rows, n_groups, log2_table, E5M2: tl.constexpr,
+                       GROUP: tl.constexpr, NG: tl.constexpr):
+    start, local, mask, gid, gmask = _row_tile(rows + tl.program_id(0) * 3, GROUP, NG)
     raw = tl.load(codes_ptr + start + local, mask=mask, other=0)
-    if IS_E5M2:
-        q = raw.to(tl.float8e5, bitcast=True).to(tl.float32)
-    else:
-        q = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    scale = tl.load(meta + gid, mask=gmask, other=0.0)
-    k = tl.load(meta + n_groups + gid, mask=gmask, other=1.0)
-    center = tl.load(meta + 2 * n_groups + gid, mask=gmask, other=1.0)
-    tl.store(out_ptr + start + local, _dequantize_groups(q, scale, k, center, ACCURATE), mask=mask)
+    scale, k, center = _load_meta(meta, n_groups, gid, gmask)
+    tl.store(out_ptr + start + local, _dequantize_groups(raw, log2_table, scale, k, center, E5M2), mask=mask)
 
 
 def _moment_args(cfg: DREConfig):
@@ -232,7 +203,7 @@ def quantize(x: torch.Tensor, layout: GroupLayout, cfg: DREConfig):
     if len(rows):
         _quantize_kernel[(len(rows),)](x.contiguous().view(-1), codes.view(torch.uint8), meta, rows,
                                        layout.num_groups, GROUP=layout.group_size, NG=GROUPS_PER_ROW,
-                                       ACCURATE=_ACCURATE, enable_fp_fusion=False, **_moment_args(cfg))
+                                       enable_fp_fusion=False, **_moment_args(cfg))
     return codes, meta
 
 
@@ -240,10 +211,11 @@ def dequantize(codes: torch.Tensor, meta: torch.Tensor, layout: GroupLayout) -> 
     """Triton twin of `dre_reference.dequantize`."""
     out = torch.zeros(layout.numel, dtype=torch.float32, device=codes.device)
     rows = layout.rows(GROUPS_PER_ROW).to(codes.device)
+    fmt = get_format(codes.dtype)
     if len(rows):
         _dequantize_kernel[(len(rows),)](codes.view(torch.uint8), meta, out, rows, layout.num_groups,
-                                         IS_E5M2=codes.dtype == torch.float8_e5m2, GROUP=layout.group_size,
-                                         NG=GROUPS_PER_ROW, ACCURATE=_ACCURATE, enable_fp_fusion=False)
+                                         fmt.log2_table(codes.device), E5M2=fmt.name == "e5m2",
+                                         GROUP=layout.group_size, NG=GROUPS_PER_ROW, enable_fp_fusion=False)
     return out
 
 
@@ -276,10 +248,9 @@ def fused_adamw(rows: torch.Tensor, rows_aligned: bool, params, grads, m_codes, 
     consts = torch.tensor([[getattr(h, f) for f in AdamWScalars.__dataclass_fields__] for h in scalars],
                           dtype=torch.float32, pin_memory=pin).to(device, non_blocking=True)
     _fused_adamw_kernel[(len(rows),)](
-        rows, tensors, consts, skipped,
+        rows, tensors, consts, skipped, m_cfg.fmt.log2_table(device), v_cfg.fmt.log2_table(device),
         P_DTYPE=_TRITON_DTYPES[params[0].dtype], G_DTYPE=_TRITON_DTYPES[grads[0].dtype],
         **{f"M_{k}": v for k, v in _moment_args(m_cfg).items()}, **{f"V_{k}": v for k, v in _moment_args(v_cfg).items()},
-        SKIP_NONFINITE=skip_nonfinite,
-        GROUP=layouts[0].group_size, NG=GROUPS_PER_ROW, ALIGNED=aligned, ACCURATE=_ACCURATE,
+        SKIP_NONFINITE=skip_nonfinite, GROUP=layouts[0].group_size, NG=GROUPS_PER_ROW, ALIGNED=aligned,
         enable_fp_fusion=False, num_warps=4,
     )

@@ -1,7 +1,9 @@
 """The two FP8 formats COAT uses, with the constants every kernel and reference needs."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -26,15 +28,30 @@ class FP8Format:
         """Round to nearest even, saturating at +-max (torch's plain cast turns out-of-range values into NaN)."""
         return x.clamp(-self.max, self.max).to(self.dtype)
 
+    def log2_table(self, device="cpu") -> torch.Tensor:
+        """fp32 [128]: log2 of the value of each non-negative code (-inf for 0; NaN/Inf codes give NaN/Inf)."""
+        return _log2_table(self.name, str(device))
+
+
+@lru_cache(maxsize=None)
+def _log2_table(name: str, device: str) -> torch.Tensor:
+    values = torch.arange(128, dtype=torch.uint8).view(FORMATS[name].dtype).double().tolist()
+    logs = [math.log2(v) if 0 < v < math.inf else (-math.inf if v == 0 else v) for v in values]
+    return torch.tensor(logs, dtype=torch.float32, device=device)
+
 
 E4M3 = FP8Format("e4m3", torch.float8_e4m3fn, mantissa_bits=3, min_normal_exp=-6, max=448.0)
 E5M2 = FP8Format("e5m2", torch.float8_e5m2, mantissa_bits=2, min_normal_exp=-14, max=57344.0)
 FORMATS = {f.name: f for f in (E4M3, E5M2)}
 
 
-def get_format(name: str | FP8Format) -> FP8Format:
+def get_format(name: str | FP8Format | torch.dtype) -> FP8Format:
     if isinstance(name, FP8Format):
         return name
+    if isinstance(name, torch.dtype):
+        for fmt in FORMATS.values():
+            if fmt.dtype == name:
+                return fmt
     try:
         return FORMATS[name.lower()]
     except (KeyError, AttributeError):
