@@ -17,7 +17,8 @@ from .grouping import GroupLayout
 from .portable_math import exp2_p, log2_p
 from .triton_fp8 import to_e4m3, to_e5m2
 
-GROUPS_PER_ROW = 8
+GROUPS_PER_ROW = 1  # groups per program: fastest of the H100 sweep (benchmarks/bench_optimizer.py --sweep)
+NUM_WARPS = 1
 CONSTANT_RATIO: tl.constexpr = tl.constexpr(1.0 + R_EPS)  # R at or below this: k = 1
 
 
@@ -58,18 +59,19 @@ def _quantize_groups(x, mask, EXPAND: tl.constexpr, IS_E5M2: tl.constexpr, FP8_M
 
 
 @triton.jit
-def _dequantize_groups(raw, log2_table, scale, k, center, IS_E5M2: tl.constexpr):
-    """raw uint8 codes [NG, G] -> fp32 values; see dre_reference._dequantize_rows."""
+def _dequantize_groups(raw, log2_table, scale, k, center, IS_E5M2: tl.constexpr, EXPAND: tl.constexpr):
+    """raw uint8 codes [NG, G] -> fp32 values; see dre_reference._dequantize_rows (k == 1 when not EXPAND)."""
     mag = raw & 0x7F
-    log2_code = tl.load(log2_table + mag)
-    inv_k = tl.math.div_rn(tl.full(k.shape, 1.0, tl.float32), k)
-    expanded = exp2_p(log2_code * inv_k[:, None] + (log2_p(scale) * inv_k)[:, None]) * center[:, None]
     if IS_E5M2:
         q = mag.to(tl.float8e5, bitcast=True).to(tl.float32)
     else:
         q = mag.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    linear = q * (scale * center)[:, None]
-    xa = tl.where((k == 1.0)[:, None], linear, expanded)
+    xa = q * (scale * center)[:, None]
+    if EXPAND:
+        log2_code = tl.load(log2_table + mag)
+        inv_k = tl.math.div_rn(tl.full(k.shape, 1.0, tl.float32), k)
+        expanded = exp2_p(log2_code * inv_k[:, None] + (log2_p(scale) * inv_k)[:, None]) * center[:, None]
+        xa = tl.where((k == 1.0)[:, None], xa, expanded)
     return tl.where(raw >= 128, -xa, xa)
 
 
@@ -100,9 +102,9 @@ def _store_meta(meta, n_groups, gid, gmask, scale, k, center):
 def _row_tile(row, GROUP: tl.constexpr, NG: tl.constexpr):
     """Element offsets [NG, GROUP] and group ids [NG] of one row (flat_start, numel, first_group), with masks."""
     start = tl.load(row)
-    numel = tl.load(row + 1)
+    numel = tl.load(row + 1).to(tl.int32)
     first_group = tl.load(row + 2)
-    local = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    local = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # int32: 64-bit math once per row
     gid = first_group + tl.arange(0, NG)
     return start, local, local < numel, gid, tl.arange(0, NG) * GROUP < numel
 
@@ -122,12 +124,12 @@ def _fused_adamw_kernel(
     start, local, mask, gid, gmask = _row_tile(row + 1, GROUP, NG)
     if ALIGNED:
         start = tl.multiple_of(start, 16)
-    offs = start + local
+    offs = local
     tab = tensors + t * 8
-    p_ptr = _ptr(tab, 0, P_DTYPE, ALIGNED)
-    g_ptr = _ptr(tab, 1, G_DTYPE, ALIGNED)
-    mq_ptr = _ptr(tab, 2, tl.uint8, ALIGNED)
-    vq_ptr = _ptr(tab, 3, tl.uint8, ALIGNED)
+    p_ptr = _ptr(tab, 0, P_DTYPE, ALIGNED) + start
+    g_ptr = _ptr(tab, 1, G_DTYPE, ALIGNED) + start
+    mq_ptr = _ptr(tab, 2, tl.uint8, ALIGNED) + start
+    vq_ptr = _ptr(tab, 3, tl.uint8, ALIGNED) + start
     m_meta = _ptr(tab, 4, tl.float32, False)
     v_meta = _ptr(tab, 5, tl.float32, False)
     n_groups = tl.load(tab + 6)
@@ -145,8 +147,10 @@ def _fused_adamw_kernel(
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m_scale, m_k, m_c = _load_meta(m_meta, n_groups, gid, gmask)
     v_scale, v_k, v_c = _load_meta(v_meta, n_groups, gid, gmask)
-    m = _dequantize_groups(tl.load(mq_ptr + offs, mask=mask, other=0), m_log2_table, m_scale, m_k, m_c, M_E5M2)
-    v = _dequantize_groups(tl.load(vq_ptr + offs, mask=mask, other=0), v_log2_table, v_scale, v_k, v_c, V_E5M2)
+    m = _dequantize_groups(tl.load(mq_ptr + offs, mask=mask, other=0), m_log2_table, m_scale, m_k, m_c, M_E5M2,
+                           M_EXPAND)
+    v = _dequantize_groups(tl.load(vq_ptr + offs, mask=mask, other=0), v_log2_table, v_scale, v_k, v_c, V_E5M2,
+                           V_EXPAND)
 
     m = m * beta1 + g * one_minus_beta1
     v = v * beta2 + (g * g) * one_minus_beta2
@@ -187,7 +191,8 @@ def _dequantize_kernel(codes_ptr, meta, out_ptr, rows, n_groups, log2_table, E5M
     start, local, mask, gid, gmask = _row_tile(rows + tl.program_id(0) * 3, GROUP, NG)
     raw = tl.load(codes_ptr + start + local, mask=mask, other=0)
     scale, k, center = _load_meta(meta, n_groups, gid, gmask)
-    tl.store(out_ptr + start + local, _dequantize_groups(raw, log2_table, scale, k, center, E5M2), mask=mask)
+    x = _dequantize_groups(raw, log2_table, scale, k, center, E5M2, True)
+    tl.store(out_ptr + start + local, x, mask=mask)
 
 
 def _moment_args(cfg: DREConfig):
@@ -252,5 +257,5 @@ def fused_adamw(rows: torch.Tensor, rows_aligned: bool, params, grads, m_codes, 
         P_DTYPE=_TRITON_DTYPES[params[0].dtype], G_DTYPE=_TRITON_DTYPES[grads[0].dtype],
         **{f"M_{k}": v for k, v in _moment_args(m_cfg).items()}, **{f"V_{k}": v for k, v in _moment_args(v_cfg).items()},
         SKIP_NONFINITE=skip_nonfinite, GROUP=layouts[0].group_size, NG=GROUPS_PER_ROW, ALIGNED=aligned,
-        enable_fp_fusion=False, num_warps=4,
+        enable_fp_fusion=False, num_warps=NUM_WARPS,
     )
