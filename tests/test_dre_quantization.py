@@ -1,0 +1,151 @@
+"""FP8 group quantization with Dynamic Range Expansion: grouping, edge cases, and Triton (interpreted on CPU)
+against the torch reference. The Triton kernels round to the FP8 grid and use portable log2/exp2, so they agree
+with the reference bit for bit even under TRITON_INTERPRET."""
+import math
+import warnings
+
+import pytest
+import torch
+
+from coat_kernels import dre_reference as ref
+from coat_kernels import dre_triton as tri
+from coat_kernels import portable_math as pm
+from coat_kernels.grouping import build_layout
+
+warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy's log2(0) inside the interpreter
+G = 128
+QUANT = {"reference": (ref.quantize, ref.dequantize), "triton": (tri.quantize, tri.dequantize)}
+
+
+def same_values(a, b):
+    """Equal values (FP8 +0 and -0 count as equal, NaN equals NaN)."""
+    a, b = a.float(), b.float()
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def roundtrip(x, backend="reference", segments=None, **cfg):
+    quantize, dequantize = QUANT[backend]
+    layout = build_layout(segments, x.numel(), G)
+    codes, meta = quantize(x, layout, ref.DREConfig(cfg.pop("fmt", "e4m3"), **cfg))
+    return dequantize(codes, meta, layout), codes, meta
+
+
+def rel_err(approx, exact):
+    nz = exact != 0
+    return ((approx[nz] - exact[nz]).abs() / exact[nz].abs()).max().item()
+
+
+def norm_err(approx, exact):
+    return ((approx - exact).norm() / exact.norm()).item()
+
+
+def test_groups_follow_the_parameter_grid_and_never_straddle_segments():
+    layout = build_layout([(0, 300, 0), (300, 50, 100), (360, 200, 1000)], 600, G)
+    starts, lengths = layout.group_bounds()
+    groups = list(zip(starts.tolist(), lengths.tolist()))
+    # segment 0: 128,128,44; segment 1 (param offset 100): head of 28, then 22; segment 2 (offset 1000 = 7*128+104)
+    assert groups == [(0, 128), (128, 128), (256, 44), (300, 28), (328, 22), (360, 24), (384, 128), (512, 48)]
+    assert layout.num_groups == len(groups)
+    with pytest.raises(ValueError, match="ordered"):
+        build_layout([(10, 5, 0), (12, 5, 0)], 100, G)
+    with pytest.raises(ValueError, match="past the buffer"):
+        build_layout([(0, 101, 0)], 100, G)
+
+
+def test_portable_log2_exp2_accuracy():
+    x = torch.cat([torch.rand(50_000) * 1e-30, torch.rand(50_000) * 1e4, torch.tensor([1e-45, 3e38, 1.0])])
+    assert (pm.log2(x).double() - torch.log2(x.double())).abs().max() < 1e-5
+    assert pm.log2(torch.zeros(1)).item() == -math.inf
+    y = torch.rand(100_000) * 250 - 125
+    assert ((pm.exp2(y).double() / torch.exp2(y.double())) - 1).abs().max() < 3e-7
+    assert pm.exp2(torch.tensor([-200.0, -math.inf])).eq(0).all()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("expand", [True, False])
+def test_triton_matches_reference_bit_for_bit(fmt, expand):
+    torch.manual_seed(0)
+    x = torch.randn(3000) * torch.exp(torch.randn(3000) * 2)
+    x[::17] = 0
+    x[1000:1128] = 0  # an all-zero group
+    segments = [(0, 1500, 0), (1500, 7, 77), (1510, 1490, 300)]
+    d_ref, c_ref, m_ref = roundtrip(x, "reference", segments, fmt=fmt, expand=expand)
+    d_tri, c_tri, m_tri = roundtrip(x, "triton", segments, fmt=fmt, expand=expand)
+    assert same_values(c_ref, c_tri)
+    assert torch.equal(m_ref, m_tri)
+    assert torch.equal(d_ref, d_tri)
+    assert d_ref[1507:1510].eq(0).all()  # elements outside every segment stay zero
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_zero_inside_a_group_does_not_collapse_the_expansion(backend):
+    torch.manual_seed(1)
+    x = (torch.rand(G) + 0.5) * 1e-3  # R < 3: k far above 1
+    x_with_zero = x.clone()
+    x_with_zero[0] = 0.0
+    _, _, meta = roundtrip(x, backend)
+    d, _, meta_zero = roundtrip(x_with_zero, backend)
+    assert meta[1].item() > 4 and meta_zero[1].item() == meta[1].item()  # same k: the zero is left out of the min
+    assert d[0].item() == 0.0
+    assert rel_err(d, x_with_zero) < 0.02
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_edge_groups_constant_tail_zero_and_extreme_magnitudes(backend):
+    const = torch.full((G,), -3.25)
+    const[::2] = 3.25
+    tail = torch.tensor([0.7])
+    zeros = torch.zeros(G)
+    tiny = (torch.rand(G) + 0.1) * 1e-30
+    huge = (torch.rand(G) + 0.1) * 1e30
+    x = torch.cat([const, zeros, tiny, huge, tail])  # tail: a 1-element last group
+    d, codes, meta = roundtrip(x, backend)
+    assert torch.isfinite(d).all() and torch.isfinite(meta).all()
+    scale, k, center = meta
+    assert k[0] == 1 and torch.equal(d[:G], const)  # constant magnitude: k = 1, exact
+    assert scale[1] == 0 and d[G:2 * G].eq(0).all() and codes[G:2 * G].float().eq(0).all()
+    assert rel_err(d[2 * G:3 * G], tiny) < 0.07
+    assert rel_err(d[3 * G:4 * G], huge) < 0.07
+    assert k[4] == 1 and d[-1].item() == pytest.approx(0.7, rel=0.07)
+    assert (k >= 1).all() and (k <= 16).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_segments_of_very_different_scales_side_by_side(backend):
+    torch.manual_seed(2)
+    a, b = torch.randn(200) * 1e-8, torch.randn(200) * 1e4
+    x = torch.cat([a, b])
+    d, _, _ = roundtrip(x, backend, segments=[(0, 200, 0), (200, 200, 0)])
+    assert norm_err(d[:200], a) < 0.05 and norm_err(d[200:], b) < 0.05
+    # One segment: the group that straddles both tensors flushes the small values (what COAT avoids).
+    d_one, _, _ = roundtrip(x, backend)
+    assert d_one[128:200].eq(0).any()
+
+
+def _adam_moments():
+    """Moments of a small MLP after 30 AdamW steps on a regression task."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(512, 64), torch.randn(512, 64)
+    for _ in range(30):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    states = [opt.state[p] for p in model.parameters()]
+    return (torch.cat([s["exp_avg"].flatten() for s in states]),
+            torch.cat([s["exp_avg_sq"].flatten() for s in states]))
+
+
+def test_expansion_beats_plain_e4m3_on_real_moments():
+    m, v = _adam_moments()
+    exact = m / (v.sqrt() + 1e-8)
+
+    def mse(expand, k_max=16.0):
+        dm, _, _ = roundtrip(m, expand=expand, k_max=k_max)
+        dv, _, _ = roundtrip(v, expand=expand, k_max=k_max)
+        return ((dm / (dv.sqrt() + 1e-8) - exact) ** 2).mean().item()
+
+    plain, expanded = mse(False), mse(True)
+    assert expanded < 0.8 * plain, (plain, expanded)
+    assert mse(True, k_max=16.0) <= mse(True, k_max=8.0) * 1.05  # the default cap is at least as good as 8

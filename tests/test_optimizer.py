@@ -1,0 +1,187 @@
+"""CoatFP8AdamW as a torch optimizer: training quality, state size, checkpoints, bad input, NaN/Inf gradients."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+from coat_ds import CoatFP8AdamW, dequantize_state_entry
+from coat_kernels import dre_reference as ref
+from coat_kernels.grouping import build_layout
+
+warnings.filterwarnings("ignore", category=RuntimeWarning)
+
+
+def mlp(seed=0, hidden=128):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, 8))
+
+
+def data(n=256, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 32, generator=g)
+    w = torch.randn(32, 8, generator=g)
+    return x, torch.tanh(x @ w) + 0.05 * torch.randn(n, 8, generator=g)
+
+
+def train(model, opt, steps, batch=64):
+    x, y = data()
+    losses = []
+    for step in range(steps):
+        i = (step * batch) % len(x)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x[i:i + batch]), y[i:i + batch])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def codes_equal(a, b):
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_200_steps_track_torch_adamw():
+    a, b = mlp(), mlp()
+    coat = train(a, CoatFP8AdamW(a.parameters(), lr=3e-3, weight_decay=0.01), 200)
+    adamw = train(b, torch.optim.AdamW(b.parameters(), lr=3e-3, weight_decay=0.01), 200)
+    assert coat[-1] < 0.5 * coat[0]
+    window = slice(-20, None)
+    mean_c, mean_a = sum(coat[window]) / 20, sum(adamw[window]) / 20
+    assert abs(mean_c - mean_a) < 0.1 * mean_a, (mean_c, mean_a)
+    drift = max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+    assert drift < 0.05
+
+
+def test_triton_backend_matches_reference_bit_for_bit():
+    a, b = mlp(hidden=48), mlp(hidden=48)
+    opt_a = CoatFP8AdamW(a.parameters(), lr=1e-2, backend="torch")
+    opt_b = CoatFP8AdamW(b.parameters(), lr=1e-2, backend="triton")  # one multi-tensor launch, interpreted
+    train(a, opt_a, 4)
+    train(b, opt_b, 4)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+        sa, sb = opt_a.state[p], opt_b.state[q]
+        assert codes_equal(sa["exp_avg_q"], sb["exp_avg_q"]) or torch.equal(sa["exp_avg_q"].float(), sb["exp_avg_q"].float())
+        assert torch.equal(sa["exp_avg_sq_meta"], sb["exp_avg_sq_meta"])
+
+
+def test_state_bytes_per_parameter():
+    model = torch.nn.Linear(1024, 1024, bias=False)
+    opt = CoatFP8AdamW(model.parameters())
+    model.weight.grad = torch.randn_like(model.weight)
+    opt.step()
+    state = opt.state[model.weight]
+    assert state["exp_avg_q"].dtype == torch.float8_e4m3fn and state["exp_avg_sq_q"].dtype == torch.float8_e4m3fn
+    assert opt.state_bytes() / model.weight.numel() <= 2.2
+
+
+def test_state_dict_round_trip_is_exact_and_keeps_fp8():
+    model = mlp().to(torch.bfloat16)  # bf16 params: torch's load would cast the fp32 metadata to bf16
+    opt = CoatFP8AdamW(model.parameters(), lr=1e-2)
+    x, y = data()
+    train_bf16 = lambda m, o: (o.zero_grad(), torch.nn.functional.mse_loss(m(x.bfloat16()), y.bfloat16()).backward(), o.step())
+    for _ in range(3):
+        train_bf16(model, opt)
+    saved = copy.deepcopy(opt.state_dict())
+    clone = copy.deepcopy(model)
+    opt2 = CoatFP8AdamW(clone.parameters(), lr=1e-2)
+    opt2.load_state_dict(saved)
+    for p, q in zip(model.parameters(), clone.parameters()):
+        s, t = opt.state[p], opt2.state[q]
+        assert t["exp_avg_q"].dtype == torch.float8_e4m3fn and t["exp_avg_meta"].dtype == torch.float32
+        assert t["segments"].dtype == torch.int64
+        assert codes_equal(s["exp_avg_q"], t["exp_avg_q"]) and torch.equal(s["exp_avg_sq_meta"], t["exp_avg_sq_meta"])
+    train_bf16(model, opt)
+    train_bf16(clone, opt2)
+    for p, q in zip(model.parameters(), clone.parameters()):
+        assert torch.equal(p, q)
+        assert codes_equal(opt.state[p]["exp_avg_sq_q"], opt2.state[q]["exp_avg_sq_q"])
+        assert opt.state[p]["step"] == opt2.state[q]["step"] == 4
+
+
+def test_fp32_moments_in_state_are_quantized_at_the_next_step():
+    """DeepSpeed's universal-checkpoint loader writes fp32 exp_avg/exp_avg_sq straight into optimizer.state."""
+    model = torch.nn.Linear(16, 300, bias=False)
+    p = model.weight
+    torch.manual_seed(4)
+    m0, v0 = torch.randn(p.numel()) * 1e-3, torch.rand(p.numel()) * 1e-6
+    opt = CoatFP8AdamW([p], lr=1e-3)
+    opt.state[p].update(step=torch.tensor(5.0), exp_avg=m0.clone(), exp_avg_sq=v0.clone())
+    p.grad = torch.randn_like(p) * 1e-3
+    before = p.detach().clone()
+    opt.step()
+    assert set(opt.state[p]) >= {"exp_avg_q", "exp_avg_sq_q"} and "exp_avg" not in opt.state[p]
+    assert opt.state[p]["step"] == 6
+    # Expected: quantize the injected moments, then one reference step.
+    layout = build_layout(None, p.numel(), 128)
+    cfg = ref.DREConfig("e4m3")
+    mq, mm = ref.quantize(m0, layout, cfg)
+    vq, vm = ref.quantize(v0, layout, cfg)
+    expected = before.clone().view(-1)
+    ref.fused_adamw_step(expected, p.grad.view(-1), mq, mm, vq, vm, layout,
+                         ref.AdamWScalars.make(1e-3, 0.9, 0.999, 1e-8, 1e-2, 6), cfg, cfg)
+    assert torch.equal(p.detach().view(-1), expected)
+    deq = dequantize_state_entry(opt.state[p])
+    assert deq["exp_avg"].shape == (p.numel(),) and torch.isfinite(deq["exp_avg_sq"]).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_nonfinite_gradients_skip_their_groups(backend):
+    p = torch.nn.Parameter(torch.randn(4 * 128))
+    opt = CoatFP8AdamW([p], lr=1e-2, backend=backend)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    before = p.detach().clone()
+    state_before = {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+    g = torch.randn_like(p)
+    g[5], g[300] = float("nan"), float("inf")  # groups 0 and 2
+    p.grad = g
+    opt.step()
+    assert opt.skipped_groups == 2
+    for lo, hi in ((0, 128), (256, 384)):
+        assert torch.equal(p.detach()[lo:hi], before[lo:hi])
+        assert codes_equal(opt.state[p]["exp_avg_q"][lo:hi], state_before["exp_avg_q"][lo:hi])
+    assert not torch.equal(p.detach()[128:256], before[128:256])
+    assert torch.isfinite(p).all() and torch.isfinite(opt.state[p]["exp_avg_meta"]).all()
+
+
+def test_nonfinite_error_mode_raises_after_leaving_state_clean():
+    p = torch.nn.Parameter(torch.randn(256))
+    opt = CoatFP8AdamW([p], nonfinite="error")
+    p.grad = torch.full_like(p, float("nan"))
+    with pytest.raises(FloatingPointError, match="2 quantization groups"):
+        opt.step()
+    assert torch.isfinite(p).all()
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(amsgrad=True), ValueError, "amsgrad"),
+    (dict(maximize=True), ValueError, "maximize"),
+    (dict(max_grad_norm=1.0), ValueError, "valid options: lr, betas"),
+    (dict(exp_avg_format="e3m4"), ValueError, "unknown FP8 format"),
+    (dict(group_size=0), ValueError, "group_size"),
+    (dict(k_max=0.5), ValueError, "k_max"),
+    (dict(betas=(0.9, 1.0)), ValueError, "hyper-parameters"),
+    (dict(nonfinite="ignore"), ValueError, "nonfinite"),
+])
+def test_bad_options_raise_clear_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        CoatFP8AdamW([torch.nn.Parameter(torch.randn(4))], **kwargs)
+
+
+def test_bad_tensors_raise_clear_errors():
+    p = torch.nn.Parameter(torch.randn(8, dtype=torch.float64))
+    p.grad = torch.randn_like(p)
+    with pytest.raises(TypeError, match="fp32 or bf16"):
+        CoatFP8AdamW([p]).step()
+    q = torch.nn.Parameter(torch.randn(8))
+    q.grad = torch.randn(8).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        CoatFP8AdamW([q]).step()
+    r = torch.nn.Parameter(torch.randn(8))
+    if hasattr(r, "grad_dtype"):  # torch >= 2.12 checks grad dtypes unless told otherwise
+        r.grad_dtype = None
+    r.grad = torch.randn(8, dtype=torch.bfloat16)  # bf16 grads are fine
+    CoatFP8AdamW([r]).step()
+    assert CoatFP8AdamW([torch.nn.Parameter(torch.randn(3))], betas=[0.8, 0.9]).defaults["betas"] == (0.8, 0.9)
