@@ -41,7 +41,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tensors", type=int, default=60)
     ap.add_argument("--dim", type=int, default=4096)
-    ap.add_argument("--sweep", action="store_true", help="also time other groups-per-row / warps settings")
+    ap.add_argument("--sweep", action="store_true", help="also time other groups-per-program / warps settings")
     args = ap.parse_args()
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(args.dim, args.dim, device="cuda") * 0.02) for _ in range(args.tensors)]
@@ -61,11 +61,11 @@ def main():
     rows.append(bench("CoatFP8AdamW (Triton)", lambda ps: CoatFP8AdamW(ps, lr=1e-4), params, 16))
     if args.sweep:
         from coat_kernels import dre_triton
-        default = (dre_triton.GROUPS_PER_ROW, dre_triton.NUM_WARPS)
-        for groups, warps in ((8, 4), (4, 2), (2, 1), (1, 2)):
-            dre_triton.GROUPS_PER_ROW, dre_triton.NUM_WARPS = groups, warps
-            rows.append(bench(f"  Coat rows={groups} warps={warps}", lambda ps: CoatFP8AdamW(ps, lr=1e-4), params, 16))
-        dre_triton.GROUPS_PER_ROW, dre_triton.NUM_WARPS = default
+        default = (dre_triton.GROUPS_PER_PROGRAM, dre_triton.NUM_WARPS)
+        for groups, warps in ((32, 1), (64, 2), (256, 8), (64, 1)):
+            dre_triton.GROUPS_PER_PROGRAM, dre_triton.NUM_WARPS = groups, warps
+            rows.append(bench(f"  Coat groups={groups} warps={warps}", lambda ps: CoatFP8AdamW(ps, lr=1e-4), params, 16))
+        dre_triton.GROUPS_PER_PROGRAM, dre_triton.NUM_WARPS = default
         rows.append(bench("  Coat no expansion", lambda ps: CoatFP8AdamW(ps, lr=1e-4, expand_exp_avg=False,
                                                                       expand_exp_avg_sq=False), params, 16))
     try:

@@ -3,7 +3,7 @@
 This is the CPU path and the test oracle of the Triton kernels (`dre_triton.py`), which evaluate the same fp32
 operations in the same order (IEEE division and square root, portable log2/exp2, no FMA contraction), so both
 give the same FP8 codes, on the GPU and under TRITON_INTERPRET. Per group X (COAT_METHOD.md section 1): M = max|X|, m = min of the nonzero |X|, R = M/m,
-k = floor(E*log2(Q^2/2)/log2 R)/E clamped to [1, k_max] (k = 1 when R <= 1 + 2^-20), c = sqrt(M)*sqrt(m),
+k = floor(E*log2(Q^2/2)/log2 R)/E clamped to [1, k_max] (k = 1 when log2 R <= 2^-19), c = sqrt(M)*sqrt(m),
 y = sign(x)|x/c|^k, s = (M/c)^k / Q, code = fp8(y/s). All-zero groups store zero codes and s = 0.
 Metadata per group is fp32 [3, n_groups]: rows scale, k, center.
 """
@@ -19,7 +19,7 @@ from . import portable_math as pm
 from .formats import FP8Format, get_format
 from .grouping import GroupLayout
 
-R_EPS = 2.0 ** -20  # R <= 1 + R_EPS counts as constant magnitude: k = 1
+LOG2_RATIO_EPS = 2.0 ** -19  # log2 R at or below this counts as constant magnitude: k = 1
 
 
 def f32(x: float) -> float:
@@ -42,6 +42,10 @@ class DREConfig:
             raise ValueError(f"k_max must be >= 1 (COAT never compresses), got {self.k_max}")
 
     @property
+    def log2_max(self) -> float:
+        return f32(math.log2(self.fmt.max))
+
+    @property
     def expand_numerator(self) -> float:
         """E * log2(Q^2 / 2), the numerator of k before the floor."""
         return f32(self.expand_min * math.log2(self.fmt.max ** 2 / 2))
@@ -62,27 +66,33 @@ def _quantize_rows(x: torch.Tensor, mask: torch.Tensor, cfg: DREConfig):
     ax = x.abs().masked_fill(~mask, 0.0)
     big = ax.amax(dim=1)
     small = torch.where(ax > 0, ax, torch.inf).amin(dim=1)
+    k, center, log2_center, log2_top, scale, inv_cs = _group_params(big, small, cfg)
+    # code = (|x|/c)^k / s = exp2(k*log2|x| - (k*log2 c + log2 s)); k = 1: |x| / (c*s)
+    offset = log2_top - cfg.log2_max + k * log2_center
+    yq = torch.where((k == 1)[:, None], ax * inv_cs[:, None], pm.exp2(k[:, None] * pm.log2(ax) - offset[:, None]))
+    codes = cfg.fmt.quantize(torch.where(x < 0, -yq, yq))
+    return codes, torch.stack([scale, k, center])
+
+
+def _group_params(big, small, cfg: DREConfig):
+    """Per-group k, center c, log2 c, log2 (M/c)^k, scale s and 1/(c s) from M = max|X| and m = min nonzero |X|."""
     nonzero = big > 0
     one = torch.ones_like(big)
     big_s, small_s = torch.where(nonzero, big, one), torch.where(nonzero, small, one)
+    log2_big, log2_small = pm.log2(big_s), pm.log2(small_s)
     if cfg.expand:
-        ratio = big_s / small_s
-        k = torch.floor(_full(ratio, cfg.expand_numerator) / pm.log2(ratio)) / _full(ratio, cfg.expand_min)
-        k = k.clamp(1.0, f32(cfg.k_max))
-        k = torch.where((ratio <= 1.0 + R_EPS) | ~nonzero, one, k)
+        log2_ratio = log2_big - log2_small
+        k = torch.floor(_full(big, cfg.expand_numerator) / log2_ratio) / _full(big, cfg.expand_min)
+        k = torch.where(log2_ratio <= LOG2_RATIO_EPS, one, k.clamp(1.0, f32(cfg.k_max)))
         center = torch.where(nonzero, _sqrt(big_s) * _sqrt(small_s), one)
+        log2_center = (log2_big + log2_small) * 0.5
     else:
-        k, center = one, one
-    unit = k == 1
-    top = big_s / center
-    top = torch.where(unit, top, pm.exp2(k * pm.log2(top)))  # (M/c)^k
+        k, center, log2_center = one, one, torch.zeros_like(big)
+    log2_top = k * (log2_big - log2_center)
+    top = torch.where(k == 1, big_s / center, pm.exp2(log2_top))  # (M/c)^k
     scale = torch.where(nonzero, top / _full(top, cfg.fmt.max), torch.zeros_like(big))
-    # code = (|x|/c)^k / s, evaluated as exp2(k*log2|x| - (k*log2 c + log2 s)); k = 1: |x| / (c*s)
     inv_cs = one / torch.where(nonzero, center * scale, one)
-    offset = k * pm.log2(center) + pm.log2(scale)
-    yq = torch.where(unit[:, None], ax * inv_cs[:, None], pm.exp2(k[:, None] * pm.log2(ax) - offset[:, None]))
-    codes = cfg.fmt.quantize(torch.where(x < 0, -yq, yq))
-    return codes, torch.stack([scale, k, center])
+    return k, center, log2_center, log2_top, scale, inv_cs
 
 
 def _dequantize_rows(codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,13 @@
 """Triton kernels: FP8 group quantization with Dynamic Range Expansion, and the fused multi-tensor AdamW step.
 
 Same math and operation order as `dre_reference.py` (IEEE div/sqrt, portable_math's log2/exp2, FMA contraction
-off), so codes match the reference bit for bit on the GPU and under TRITON_INTERPRET. One program handles one row: up to
-GROUPS_PER_ROW consecutive groups of one tensor (`GroupLayout.rows`); a launch covers many tensors through a
-pointer table, with no host synchronisation.
+off), so codes match the reference bit for bit on the GPU and under TRITON_INTERPRET.
+
+The fused AdamW kernel gives each thread whole groups of 128: the per-group statistics and parameters (k, center,
+scale, and their logarithms) are then computed once per group instead of once per thread touching the group.
+Pass 1 dequantizes and updates the moments to find each group's max and nonzero min; pass 2 recomputes the same
+moments (bit-identical) and writes parameters and FP8 codes. A program handles up to GROUPS_PER_PROGRAM groups of
+one run (`GroupLayout.rows`); a launch covers many tensors through a pointer table, with no host synchronisation.
 """
 from __future__ import annotations
 
@@ -11,67 +15,79 @@ import torch
 import triton
 import triton.language as tl
 
-from .dre_reference import R_EPS, AdamWScalars, DREConfig, f32
+from .dre_reference import LOG2_RATIO_EPS, AdamWScalars, DREConfig, f32
 from .formats import get_format
 from .grouping import GroupLayout
 from .portable_math import exp2_p, log2_p
 from .triton_fp8 import to_e4m3, to_e5m2
 
-GROUPS_PER_ROW = 1  # groups per program: fastest of the H100 sweep (benchmarks/bench_optimizer.py --sweep)
-NUM_WARPS = 1
-CONSTANT_RATIO: tl.constexpr = tl.constexpr(1.0 + R_EPS)  # R at or below this: k = 1
+GROUPS_PER_PROGRAM = 128  # fused AdamW: one group per thread, 4 warps
+NUM_WARPS = 4
+CHUNK = 4  # elements per thread per load: 16 bytes of fp32
+TILE_GROUPS = 8  # standalone quantize/dequantize: groups per program (2-D tiles)
+LOG2_RATIO_EPS_C: tl.constexpr = tl.constexpr(LOG2_RATIO_EPS)
 
 
 @triton.jit
-def _quantize_groups(x, mask, EXPAND: tl.constexpr, IS_E5M2: tl.constexpr, FP8_MAX: tl.constexpr,
-                     EXPAND_NUM: tl.constexpr, EXPAND_MIN: tl.constexpr, K_MAX: tl.constexpr):
-    """x fp32 [NG, G] -> (codes fp8 [NG, G], scale [NG], k [NG], center [NG]); see dre_reference._quantize_rows."""
-    ax = tl.where(mask, tl.abs(x), 0.0)
-    big = tl.max(ax, axis=1)
-    small = tl.min(tl.where(ax > 0, ax, float("inf")), axis=1)
+def _group_params(big, small, EXPAND: tl.constexpr, MAX: tl.constexpr, NUM: tl.constexpr, EMIN: tl.constexpr,
+                  KMAX: tl.constexpr):
+    """See dre_reference._group_params: (k, center, log2 center, log2 (M/c)^k, scale, 1/(c*scale))."""
     nonzero = big > 0
+    one = tl.full(big.shape, 1.0, tl.float32)
     big_s = tl.where(nonzero, big, 1.0)
     small_s = tl.where(nonzero, small, 1.0)
-    one = tl.full(big.shape, 1.0, tl.float32)
+    log2_big = log2_p(big_s)
+    log2_small = log2_p(small_s)
     if EXPAND:
-        ratio = tl.math.div_rn(big_s, small_s)
-        k = tl.floor(tl.math.div_rn(one * EXPAND_NUM, log2_p(ratio)))
-        k = tl.math.div_rn(k, one * EXPAND_MIN)
-        k = tl.minimum(tl.maximum(k, 1.0), K_MAX)
-        k = tl.where((ratio <= CONSTANT_RATIO) | (big == 0), 1.0, k)
+        log2_ratio = log2_big - log2_small
+        k = tl.math.div_rn(tl.floor(tl.math.div_rn(one * NUM, log2_ratio)), one * EMIN)
+        k = tl.where(log2_ratio <= LOG2_RATIO_EPS_C, 1.0, tl.minimum(tl.maximum(k, 1.0), KMAX))
         center = tl.where(nonzero, tl.math.sqrt_rn(big_s) * tl.math.sqrt_rn(small_s), 1.0)
+        log2_center = (log2_big + log2_small) * 0.5
     else:
         k = one
         center = one
-    unit = k == 1.0
-    top = tl.math.div_rn(big_s, center)
-    top = tl.where(unit, top, exp2_p(k * log2_p(top)))
-    scale = tl.where(nonzero, tl.math.div_rn(top, one * FP8_MAX), 0.0)
+        log2_center = one * 0.0
+    log2_top = k * (log2_big - log2_center)
+    top = tl.where(k == 1.0, tl.math.div_rn(big_s, center), exp2_p(log2_top))
+    scale = tl.where(nonzero, tl.math.div_rn(top, one * MAX), 0.0)
     inv_cs = tl.math.div_rn(one, tl.where(nonzero, center * scale, 1.0))
-    offset = k * log2_p(center) + log2_p(scale)
-    yq = tl.where(unit[:, None], ax * inv_cs[:, None], exp2_p(k[:, None] * log2_p(ax) - offset[:, None]))
-    yq = tl.where(x < 0, -yq, yq)
-    if IS_E5M2:
-        codes = to_e5m2(yq)
-    else:
-        codes = to_e4m3(yq)
-    return codes, scale, k, center
+    return k, center, log2_center, log2_top, scale, inv_cs
 
 
 @triton.jit
-def _dequantize_groups(raw, log2_table, scale, k, center, IS_E5M2: tl.constexpr, EXPAND: tl.constexpr):
-    """raw uint8 codes [NG, G] -> fp32 values; see dre_reference._dequantize_rows (k == 1 when not EXPAND)."""
+def _encode(x, k, log2_center, log2_top, inv_cs, E5M2: tl.constexpr, LOG2_MAX: tl.constexpr):
+    """FP8 codes of x given its group's parameters (already broadcast to x's shape)."""
+    ax = tl.abs(x)
+    offset = log2_top - LOG2_MAX + k * log2_center
+    yq = tl.where(k == 1.0, ax * inv_cs, exp2_p(k * log2_p(ax) - offset))
+    yq = tl.where(x < 0, -yq, yq)
+    if E5M2:
+        return to_e5m2(yq)
+    else:
+        return to_e4m3(yq)
+
+
+@triton.jit
+def _decode_params(scale, k):
+    """Per group: 1/k and log2(scale)/k."""
+    inv_k = tl.math.div_rn(tl.full(k.shape, 1.0, tl.float32), k)
+    return inv_k, log2_p(scale) * inv_k
+
+
+@triton.jit
+def _decode(raw, log2_table, scale_center, center, k, inv_k, log2_scale_over_k, E5M2: tl.constexpr,
+            EXPAND: tl.constexpr):
+    """fp32 values of uint8 codes: sign(q) |q s|^(1/k) c (k == 1 when not EXPAND); group params broadcast."""
     mag = raw & 0x7F
-    if IS_E5M2:
+    if E5M2:
         q = mag.to(tl.float8e5, bitcast=True).to(tl.float32)
     else:
         q = mag.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    xa = q * (scale * center)[:, None]
+    xa = q * scale_center
     if EXPAND:
-        log2_code = tl.load(log2_table + mag)
-        inv_k = tl.math.div_rn(tl.full(k.shape, 1.0, tl.float32), k)
-        expanded = exp2_p(log2_code * inv_k[:, None] + (log2_p(scale) * inv_k)[:, None]) * center[:, None]
-        xa = tl.where((k == 1.0)[:, None], xa, expanded)
+        expanded = exp2_p(tl.load(log2_table + mag) * inv_k + log2_scale_over_k) * center
+        xa = tl.where(k == 1.0, xa, expanded)
     return tl.where(raw >= 128, -xa, xa)
 
 
@@ -99,32 +115,36 @@ def _store_meta(meta, n_groups, gid, gmask, scale, k, center):
 
 
 @triton.jit
-def _row_tile(row, GROUP: tl.constexpr, NG: tl.constexpr):
-    """Element offsets [NG, GROUP] and group ids [NG] of one row (flat_start, numel, first_group), with masks."""
-    start = tl.load(row)
-    numel = tl.load(row + 1).to(tl.int32)
-    first_group = tl.load(row + 2)
-    local = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # int32: 64-bit math once per row
-    gid = first_group + tl.arange(0, NG)
-    return start, local, local < numel, gid, tl.arange(0, NG) * GROUP < numel
+def _updated_moments(g_ptr, mq_ptr, vq_ptr, local, mask, m_table, v_table,
+                     m_sc, m_c, m_k, m_ik, m_b, v_sc, v_c, v_k, v_ik, v_b,
+                     beta1, one_minus_beta1, beta2, one_minus_beta2,
+                     M_E5M2: tl.constexpr, M_EXPAND: tl.constexpr, V_E5M2: tl.constexpr, V_EXPAND: tl.constexpr):
+    g = tl.load(g_ptr + local, mask=mask, other=0.0).to(tl.float32)
+    m = _decode(tl.load(mq_ptr + local, mask=mask, other=0), m_table, m_sc, m_c, m_k, m_ik, m_b, M_E5M2, M_EXPAND)
+    v = _decode(tl.load(vq_ptr + local, mask=mask, other=0), v_table, v_sc, v_c, v_k, v_ik, v_b, V_E5M2, V_EXPAND)
+    m = m * beta1 + g * one_minus_beta1
+    v = v * beta2 + (g * g) * one_minus_beta2
+    return g, m, v
 
 
 @triton.jit
 def _fused_adamw_kernel(
-    rows, tensors, scalars, skipped, m_log2_table, v_log2_table,
+    rows, tensors, scalars, skipped, m_table, v_table,
     P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-    M_E5M2: tl.constexpr, M_EXPAND: tl.constexpr, M_MAX: tl.constexpr, M_NUM: tl.constexpr,
-    M_EMIN: tl.constexpr, M_KMAX: tl.constexpr,
-    V_E5M2: tl.constexpr, V_EXPAND: tl.constexpr, V_MAX: tl.constexpr, V_NUM: tl.constexpr,
-    V_EMIN: tl.constexpr, V_KMAX: tl.constexpr, SKIP_NONFINITE: tl.constexpr,
-    GROUP: tl.constexpr, NG: tl.constexpr, ALIGNED: tl.constexpr,
+    M_E5M2: tl.constexpr, M_EXPAND: tl.constexpr, M_MAX: tl.constexpr, M_LOG2_MAX: tl.constexpr,
+    M_NUM: tl.constexpr, M_EMIN: tl.constexpr, M_KMAX: tl.constexpr,
+    V_E5M2: tl.constexpr, V_EXPAND: tl.constexpr, V_MAX: tl.constexpr, V_LOG2_MAX: tl.constexpr,
+    V_NUM: tl.constexpr, V_EMIN: tl.constexpr, V_KMAX: tl.constexpr,
+    SKIP_NONFINITE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, CHUNK: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     row = rows + tl.program_id(0) * 4
     t = tl.load(row)
-    start, local, mask, gid, gmask = _row_tile(row + 1, GROUP, NG)
+    start = tl.load(row + 1)
+    numel = tl.load(row + 2).to(tl.int32)
+    first_group = tl.load(row + 3)
     if ALIGNED:
         start = tl.multiple_of(start, 16)
-    offs = local
     tab = tensors + t * 8
     p_ptr = _ptr(tab, 0, P_DTYPE, ALIGNED) + start
     g_ptr = _ptr(tab, 1, G_DTYPE, ALIGNED) + start
@@ -143,44 +163,92 @@ def _fused_adamw_kernel(
     beta2 = tl.load(sc + 6)
     one_minus_beta2 = tl.load(sc + 7)
 
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    groups = tl.arange(0, BLOCK_G)
+    gmask = groups * GROUP < numel
+    gid = first_group + groups
+    base = (groups * GROUP)[:, None] + tl.arange(0, CHUNK)[None, :]  # [BLOCK_G, CHUNK]: a thread per group
     m_scale, m_k, m_c = _load_meta(m_meta, n_groups, gid, gmask)
     v_scale, v_k, v_c = _load_meta(v_meta, n_groups, gid, gmask)
-    m = _dequantize_groups(tl.load(mq_ptr + offs, mask=mask, other=0), m_log2_table, m_scale, m_k, m_c, M_E5M2,
-                           M_EXPAND)
-    v = _dequantize_groups(tl.load(vq_ptr + offs, mask=mask, other=0), v_log2_table, v_scale, v_k, v_c, V_E5M2,
-                           V_EXPAND)
+    m_ik, m_b = _decode_params(m_scale, m_k)
+    v_ik, v_b = _decode_params(v_scale, v_k)
+    m_sc, v_sc = (m_scale * m_c)[:, None], (v_scale * v_c)[:, None]
+    m_c2, m_k2, m_ik2, m_b2 = m_c[:, None], m_k[:, None], m_ik[:, None], m_b[:, None]
+    v_c2, v_k2, v_ik2, v_b2 = v_c[:, None], v_k[:, None], v_ik[:, None], v_b[:, None]
 
-    m = m * beta1 + g * one_minus_beta1
-    v = v * beta2 + (g * g) * one_minus_beta2
-    p = p * decay
-    denom = tl.math.sqrt_rn(v) * inv_bc2_sqrt + eps
-    p = p - step_size * tl.math.div_rn(m, denom)
+    # Pass 1: group statistics of the updated moments.
+    m_big = tl.zeros([BLOCK_G], tl.float32)
+    v_big = tl.zeros([BLOCK_G], tl.float32)
+    m_small = tl.full([BLOCK_G], float("inf"), tl.float32)
+    v_small = tl.full([BLOCK_G], float("inf"), tl.float32)
+    bad = tl.zeros([BLOCK_G], tl.int32)
+    for j in range(0, GROUP, CHUNK):
+        local = base + j
+        mask = local < numel
+        g, m, v = _updated_moments(g_ptr, mq_ptr, vq_ptr, local, mask, m_table, v_table,
+                                   m_sc, m_c2, m_k2, m_ik2, m_b2, v_sc, v_c2, v_k2, v_ik2, v_b2,
+                                   beta1, one_minus_beta1, beta2, one_minus_beta2, M_E5M2, M_EXPAND, V_E5M2, V_EXPAND)
+        am = tl.where(mask, tl.abs(m), 0.0)
+        av = tl.where(mask, v, 0.0)
+        m_big = tl.maximum(m_big, tl.max(am, axis=1))
+        v_big = tl.maximum(v_big, tl.max(av, axis=1))
+        m_small = tl.minimum(m_small, tl.min(tl.where(am > 0, am, float("inf")), axis=1))
+        v_small = tl.minimum(v_small, tl.min(tl.where(av > 0, av, float("inf")), axis=1))
+        if SKIP_NONFINITE:
+            finite = (g == g) & (tl.abs(g) != float("inf"))
+            bad = tl.maximum(bad, tl.max(tl.where(mask & ~finite, 1, 0), axis=1))
 
-    m_codes, m_scale, m_k, m_c = _quantize_groups(m, mask, M_EXPAND, M_E5M2, M_MAX, M_NUM, M_EMIN, M_KMAX)
-    v_codes, v_scale, v_k, v_c = _quantize_groups(v, mask, V_EXPAND, V_E5M2, V_MAX, V_NUM, V_EMIN, V_KMAX)
+    m_k, m_c, m_lc, m_lt, m_scale, m_ics = _group_params(m_big, m_small, M_EXPAND, M_MAX, M_NUM, M_EMIN, M_KMAX)
+    v_k, v_c, v_lc, v_lt, v_scale, v_ics = _group_params(v_big, v_small, V_EXPAND, V_MAX, V_NUM, V_EMIN, V_KMAX)
+    keep = gmask
     if SKIP_NONFINITE:  # groups with NaN/Inf gradients keep everything
-        finite = (g == g) & (tl.abs(g) != float("inf"))
-        bad = tl.max(tl.where(mask & ~finite, 1, 0), axis=1) > 0
-        n_bad = tl.sum(bad.to(tl.int32), axis=0)
+        n_bad = tl.sum(tl.where(gmask, bad, 0), axis=0)
         tl.atomic_add(skipped, n_bad, mask=n_bad > 0)
-        gmask = gmask & ~bad
-        mask = mask & ~bad[:, None]
-    tl.store(p_ptr + offs, p.to(P_DTYPE), mask=mask)
-    tl.store(mq_ptr + offs, m_codes.to(tl.uint8, bitcast=True), mask=mask)
-    tl.store(vq_ptr + offs, v_codes.to(tl.uint8, bitcast=True), mask=mask)
-    _store_meta(m_meta, n_groups, gid, gmask, m_scale, m_k, m_c)
-    _store_meta(v_meta, n_groups, gid, gmask, v_scale, v_k, v_c)
+        keep = gmask & (bad == 0)
+    nk_m, nlc_m, nlt_m, nics_m = m_k[:, None], m_lc[:, None], m_lt[:, None], m_ics[:, None]
+    nk_v, nlc_v, nlt_v, nics_v = v_k[:, None], v_lc[:, None], v_lt[:, None], v_ics[:, None]
+
+    # Pass 2: the same moments again, then the parameter update and the FP8 codes.
+    for j in range(0, GROUP, CHUNK):
+        local = base + j
+        mask = (local < numel) & keep[:, None]
+        g, m, v = _updated_moments(g_ptr, mq_ptr, vq_ptr, local, mask, m_table, v_table,
+                                   m_sc, m_c2, m_k2, m_ik2, m_b2, v_sc, v_c2, v_k2, v_ik2, v_b2,
+                                   beta1, one_minus_beta1, beta2, one_minus_beta2, M_E5M2, M_EXPAND, V_E5M2, V_EXPAND)
+        p = tl.load(p_ptr + local, mask=mask, other=0.0).to(tl.float32)
+        p = p * decay
+        denom = tl.math.sqrt_rn(v) * inv_bc2_sqrt + eps
+        p = p - step_size * tl.math.div_rn(m, denom)
+        tl.store(p_ptr + local, p.to(P_DTYPE), mask=mask)
+        m_codes = _encode(m, nk_m, nlc_m, nlt_m, nics_m, M_E5M2, M_LOG2_MAX)
+        v_codes = _encode(v, nk_v, nlc_v, nlt_v, nics_v, V_E5M2, V_LOG2_MAX)
+        tl.store(mq_ptr + local, m_codes.to(tl.uint8, bitcast=True), mask=mask)
+        tl.store(vq_ptr + local, v_codes.to(tl.uint8, bitcast=True), mask=mask)
+    _store_meta(m_meta, n_groups, gid, keep, m_scale, m_k, m_c)
+    _store_meta(v_meta, n_groups, gid, keep, v_scale, v_k, v_c)
+
+
+@triton.jit
+def _row_tile(row, GROUP: tl.constexpr, NG: tl.constexpr):
+    """Element offsets [NG, GROUP] and group ids [NG] of one row (flat_start, numel, first_group), with masks."""
+    start = tl.load(row)
+    numel = tl.load(row + 1).to(tl.int32)
+    first_group = tl.load(row + 2)
+    local = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    gid = first_group + tl.arange(0, NG)
+    return start, local, local < numel, gid, tl.arange(0, NG) * GROUP < numel
 
 
 @triton.jit
 def _quantize_kernel(x_ptr, codes_ptr, meta, rows, n_groups, E5M2: tl.constexpr, EXPAND: tl.constexpr,
-                     MAX: tl.constexpr, NUM: tl.constexpr, EMIN: tl.constexpr, KMAX: tl.constexpr,
-                     GROUP: tl.constexpr, NG: tl.constexpr):
+                     MAX: tl.constexpr, LOG2_MAX: tl.constexpr, NUM: tl.constexpr, EMIN: tl.constexpr,
+                     KMAX: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr):
     start, local, mask, gid, gmask = _row_tile(rows + tl.program_id(0) * 3, GROUP, NG)
     x = tl.load(x_ptr + start + local, mask=mask, other=0.0).to(tl.float32)
-    codes, scale, k, center = _quantize_groups(x, mask, EXPAND, E5M2, MAX, NUM, EMIN, KMAX)
+    ax = tl.where(mask, tl.abs(x), 0.0)
+    big = tl.max(ax, axis=1)
+    small = tl.min(tl.where(ax > 0, ax, float("inf")), axis=1)
+    k, center, log2_center, log2_top, scale, inv_cs = _group_params(big, small, EXPAND, MAX, NUM, EMIN, KMAX)
+    codes = _encode(x, k[:, None], log2_center[:, None], log2_top[:, None], inv_cs[:, None], E5M2, LOG2_MAX)
     tl.store(codes_ptr + start + local, codes.to(tl.uint8, bitcast=True), mask=mask)
     _store_meta(meta, n_groups, gid, gmask, scale, k, center)
 
@@ -191,23 +259,25 @@ def _dequantize_kernel(codes_ptr, meta, out_ptr, rows, n_groups, log2_table, E5M
     start, local, mask, gid, gmask = _row_tile(rows + tl.program_id(0) * 3, GROUP, NG)
     raw = tl.load(codes_ptr + start + local, mask=mask, other=0)
     scale, k, center = _load_meta(meta, n_groups, gid, gmask)
-    x = _dequantize_groups(raw, log2_table, scale, k, center, E5M2, True)
+    inv_k, log2_scale_over_k = _decode_params(scale, k)
+    x = _decode(raw, log2_table, (scale * center)[:, None], center[:, None], k[:, None], inv_k[:, None],
+                log2_scale_over_k[:, None], E5M2, True)
     tl.store(out_ptr + start + local, x, mask=mask)
 
 
 def _moment_args(cfg: DREConfig):
-    return dict(E5M2=cfg.fmt.name == "e5m2", EXPAND=cfg.expand, MAX=cfg.fmt.max, NUM=cfg.expand_numerator,
-                EMIN=cfg.expand_min, KMAX=f32(cfg.k_max))
+    return dict(E5M2=cfg.fmt.name == "e5m2", EXPAND=cfg.expand, MAX=cfg.fmt.max, LOG2_MAX=cfg.log2_max,
+                NUM=cfg.expand_numerator, EMIN=cfg.expand_min, KMAX=f32(cfg.k_max))
 
 
 def quantize(x: torch.Tensor, layout: GroupLayout, cfg: DREConfig):
     """Triton twin of `dre_reference.quantize`."""
     codes = torch.zeros(layout.numel, dtype=cfg.fmt.dtype, device=x.device)
     meta = torch.empty(3, layout.num_groups, dtype=torch.float32, device=x.device)
-    rows = layout.rows(GROUPS_PER_ROW).to(x.device)
+    rows = layout.rows(TILE_GROUPS).to(x.device)
     if len(rows):
         _quantize_kernel[(len(rows),)](x.contiguous().view(-1), codes.view(torch.uint8), meta, rows,
-                                       layout.num_groups, GROUP=layout.group_size, NG=GROUPS_PER_ROW,
+                                       layout.num_groups, GROUP=layout.group_size, NG=TILE_GROUPS,
                                        enable_fp_fusion=False, **_moment_args(cfg))
     return codes, meta
 
@@ -215,12 +285,12 @@ def quantize(x: torch.Tensor, layout: GroupLayout, cfg: DREConfig):
 def dequantize(codes: torch.Tensor, meta: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
     """Triton twin of `dre_reference.dequantize`."""
     out = torch.zeros(layout.numel, dtype=torch.float32, device=codes.device)
-    rows = layout.rows(GROUPS_PER_ROW).to(codes.device)
+    rows = layout.rows(TILE_GROUPS).to(codes.device)
     fmt = get_format(codes.dtype)
     if len(rows):
         _dequantize_kernel[(len(rows),)](codes.view(torch.uint8), meta, out, rows, layout.num_groups,
                                          fmt.log2_table(codes.device), E5M2=fmt.name == "e5m2",
-                                         GROUP=layout.group_size, NG=GROUPS_PER_ROW, enable_fp_fusion=False)
+                                         GROUP=layout.group_size, NG=TILE_GROUPS, enable_fp_fusion=False)
     return out
 
 
@@ -231,7 +301,7 @@ def rows_for(layouts: list[GroupLayout]) -> torch.Tensor:
     """Rows of a multi-tensor launch, int64 [R, 4]: (tensor index, flat_start, numel, first_group)."""
     parts = []
     for i, layout in enumerate(layouts):
-        r = layout.rows(GROUPS_PER_ROW)
+        r = layout.rows(GROUPS_PER_PROGRAM)
         parts.append(torch.cat([torch.full((len(r), 1), i, dtype=torch.int64), r], dim=1))
     return torch.cat(parts) if parts else torch.zeros(0, 4, dtype=torch.int64)
 
@@ -256,6 +326,6 @@ def fused_adamw(rows: torch.Tensor, rows_aligned: bool, params, grads, m_codes, 
         rows, tensors, consts, skipped, m_cfg.fmt.log2_table(device), v_cfg.fmt.log2_table(device),
         P_DTYPE=_TRITON_DTYPES[params[0].dtype], G_DTYPE=_TRITON_DTYPES[grads[0].dtype],
         **{f"M_{k}": v for k, v in _moment_args(m_cfg).items()}, **{f"V_{k}": v for k, v in _moment_args(v_cfg).items()},
-        SKIP_NONFINITE=skip_nonfinite, GROUP=layouts[0].group_size, NG=GROUPS_PER_ROW, ALIGNED=aligned,
-        enable_fp_fusion=False, num_warps=NUM_WARPS,
+        SKIP_NONFINITE=skip_nonfinite, GROUP=layouts[0].group_size, BLOCK_G=GROUPS_PER_PROGRAM, CHUNK=CHUNK,
+        ALIGNED=aligned, enable_fp_fusion=False, num_warps=NUM_WARPS,
     )

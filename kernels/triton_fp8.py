@@ -1,8 +1,9 @@
-"""Triton device helpers shared by every COAT kernel.
+"""Triton device helpers shared by every COAT kernel: fp32 -> FP8, nearest even, saturating, NaN kept.
 
-`round_to_fp8_grid` rounds fp32 to the nearest-even FP8 value (saturating) with plain fp32 arithmetic, so that the
-following `.to(fp8)` cast is exact. GPU and TRITON_INTERPRET then give the same codes, which the interpreter's own
-fp32->fp8 cast does not (it mis-rounds values whose mantissa carries into the exponent, e.g. -127.76 -> -64).
+On the GPU `to_e4m3` / `to_e5m2` clamp and use the hardware conversion (round to nearest even, like torch's
+cast). Under TRITON_INTERPRET they first round to the FP8 grid with plain fp32 arithmetic (`round_to_fp8_grid`),
+because the interpreter's own fp32->fp8 cast mis-rounds values whose mantissa carries into the exponent
+(-127.76 -> -64); its NaN -> e4m3 gives 384 instead of NaN. Both paths give torch's codes for finite inputs.
 """
 import os
 
@@ -10,6 +11,7 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET: tl.constexpr = tl.constexpr(INTERPRET)
 
 
 @triton.jit
@@ -29,9 +31,15 @@ def round_to_fp8_grid(y, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constex
 
 @triton.jit
 def to_e4m3(y):
-    return round_to_fp8_grid(y, 3, -6, 448.0).to(tl.float8e4nv)
+    if _INTERPRET:
+        return round_to_fp8_grid(y, 3, -6, 448.0).to(tl.float8e4nv)
+    else:
+        return tl.clamp(y, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
 
 
 @triton.jit
 def to_e5m2(y):
-    return round_to_fp8_grid(y, 2, -14, 57344.0).to(tl.float8e5)
+    if _INTERPRET:
+        return round_to_fp8_grid(y, 2, -14, 57344.0).to(tl.float8e5)
+    else:
+        return tl.clamp(y, -57344.0, 57344.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e5)

