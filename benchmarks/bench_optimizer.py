@@ -62,7 +62,7 @@ def main():
     if args.sweep:
         from coat_kernels import dre_triton
         default = (dre_triton.GROUPS_PER_PROGRAM, dre_triton.NUM_WARPS)
-        for groups, warps in ((32, 1), (64, 2), (256, 8), (64, 1)):
+        for groups, warps in ((2, 1), (4, 2), (1, 2)):
             dre_triton.GROUPS_PER_PROGRAM, dre_triton.NUM_WARPS = groups, warps
             rows.append(bench(f"  Coat groups={groups} warps={warps}", lambda ps: CoatFP8AdamW(ps, lr=1e-4), params, 16))
         dre_triton.GROUPS_PER_PROGRAM, dre_triton.NUM_WARPS = default
