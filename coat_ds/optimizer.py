@@ -7,7 +7,7 @@ then runs under TRITON_INTERPRET=1).
 
 State per tensor, created on its first step (see `new_state`): step, segments (int64 [n, 3]: flat_start, length,
 param_offset), group_size, exp_avg_q / exp_avg_sq_q (FP8 codes), exp_avg_meta / exp_avg_sq_meta (fp32 [3, n_groups]:
-scale, k, center). fp32 `exp_avg` / `exp_avg_sq` found in the state (DeepSpeed's universal-checkpoint loader
+k, log2 center, log2(scale * FP8 max); see coat_kernels.dre_reference). fp32 `exp_avg` / `exp_avg_sq` found in the state (DeepSpeed's universal-checkpoint loader
 writes them) are quantized at the next step.
 
 Non-finite gradients (nonfinite="skip_group", the default): a quantization group whose gradient holds NaN or Inf
@@ -196,10 +196,10 @@ class CoatFP8AdamW(torch.optim.Optimizer):
 
 def new_state(p, segments: torch.Tensor, layout: GroupLayout, m_cfg: DREConfig, v_cfg: DREConfig,
               step: float = 0.0) -> dict:
-    """Zero moments: codes 0, scale 0, k 1, center 1 (they dequantize to exact zeros)."""
+    """Zero moments: codes 0 with k = 1 (they dequantize to exact zeros)."""
     def zero_meta():
         meta = torch.zeros(3, layout.num_groups, dtype=torch.float32, device=p.device)
-        meta[1:] = 1.0
+        meta[0] = 1.0  # k; rows as in dre_reference.META_ROWS
         return meta
 
     return {

@@ -1,11 +1,15 @@
 """PyTorch reference of COAT's FP8 group quantization with Dynamic Range Expansion, and of the fused AdamW step.
 
-This is the CPU path and the test oracle of the Triton kernels (`dre_triton.py`), which evaluate the same fp32
-operations in the same order (IEEE division and square root, portable log2/exp2, no FMA contraction), so both
-give the same FP8 codes, on the GPU and under TRITON_INTERPRET. Per group X (COAT_METHOD.md section 1): M = max|X|, m = min of the nonzero |X|, R = M/m,
-k = floor(E*log2(Q^2/2)/log2 R)/E clamped to [1, k_max] (k = 1 when log2 R <= 2^-19), c = sqrt(M)*sqrt(m),
-y = sign(x)|x/c|^k, s = (M/c)^k / Q, code = fp8(y/s). All-zero groups store zero codes and s = 0.
-Metadata per group is fp32 [3, n_groups]: rows scale, k, center.
+Per group X (COAT_METHOD.md section 1): M = max|X|, m = min of the nonzero |X|, R = M/m,
+k = floor(E*log2(Q^2/2)/log2 R)/E clamped to [1, k_max] (k = 1 when log2 R <= 2^-19), center c = sqrt(M m),
+scale s = (M/c)^k / Q, code = fp8(sign(x) |x/c|^k / s), x = sign(q) |q s|^(1/k) c. All-zero groups give zero codes.
+
+Everything is evaluated in the log domain with portable_math's log2/exp2: per group the metadata is
+(k, log2 c, log2 (M/c)^k) = (k, log2 c, log2(s Q)), fp32 [3, n_groups]; then
+code = exp2(k log2|x| - (log2(sQ) - log2 Q + k log2 c)) and x = exp2((log2|q| + log2(sQ) - log2 Q) / k + log2 c).
+This is the CPU path and the oracle of the Triton kernels (`dre_triton.py`), which evaluate the same fp32
+operations in the same order (IEEE division and square root, no FMA contraction): both give the same codes, on the
+GPU and under TRITON_INTERPRET. Per group it costs one division and two logarithms, no square roots.
 """
 from __future__ import annotations
 
@@ -43,12 +47,19 @@ class DREConfig:
 
     @property
     def log2_max(self) -> float:
-        return f32(math.log2(self.fmt.max))
+        return self.fmt.log2_max
+
+    @property
+    def inv_expand_min(self) -> float:
+        return f32(1.0 / self.expand_min)
 
     @property
     def expand_numerator(self) -> float:
         """E * log2(Q^2 / 2), the numerator of k before the floor."""
         return f32(self.expand_min * math.log2(self.fmt.max ** 2 / 2))
+
+
+META_ROWS = ("k", "log2_center", "log2_scale_q")  # rows of the fp32 [3, n_groups] metadata; scale_q = s * Q
 
 
 def _full(like: torch.Tensor, value: float) -> torch.Tensor:
@@ -61,50 +72,46 @@ def _sqrt(x: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(x.double()).float()
 
 
+def group_params(big: torch.Tensor, small: torch.Tensor, cfg: DREConfig) -> torch.Tensor:
+    """Metadata [3, n] (k, log2 c, log2(sQ)) of groups with max |x| `big` and nonzero min |x| `small` (inf if none)."""
+    one = torch.ones_like(big)
+    nonzero = big > 0
+    log2_big = pm.log2(torch.where(nonzero, big, one))
+    log2_small = pm.log2(torch.where(nonzero, small, one))
+    if cfg.expand:
+        log2_ratio = log2_big - log2_small
+        k = torch.floor(_full(big, cfg.expand_numerator) / log2_ratio) * cfg.inv_expand_min
+        k = torch.where(log2_ratio <= LOG2_RATIO_EPS, one, k.clamp(1.0, f32(cfg.k_max)))
+        log2_center = (log2_big + log2_small) * 0.5
+    else:
+        k, log2_center = one, torch.zeros_like(big)
+    return torch.stack([k, log2_center, k * (log2_big - log2_center)])
+
+
+def encode(x: torch.Tensor, meta: torch.Tensor, cfg: DREConfig) -> torch.Tensor:
+    """FP8 codes of x [n, G] with its groups' metadata [3, n]."""
+    k, log2_center, log2_scale_q = (r[:, None] for r in meta)
+    offset = log2_scale_q - cfg.log2_max + k * log2_center
+    y = pm.exp2(k * pm.log2(x.abs()) - offset)
+    return cfg.fmt.quantize(torch.where(x < 0, -y, y))
+
+
+def decode(codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """fp32 values of FP8 codes [n, G] with their groups' metadata [3, n]."""
+    fmt = get_format(codes.dtype)
+    k, log2_center, log2_scale_q = meta
+    inv_k = torch.ones_like(k) / k
+    bias = (log2_scale_q - fmt.log2_max) * inv_k + log2_center
+    raw = codes.view(torch.uint8).long()
+    xa = pm.exp2(fmt.log2_table(codes.device)[raw & 0x7F] * inv_k[:, None] + bias[:, None])
+    return torch.where(raw >= 128, -xa, xa)
+
+
 def _quantize_rows(x: torch.Tensor, mask: torch.Tensor, cfg: DREConfig):
     """x fp32 [n, G] (masked positions ignored) -> codes fp8 [n, G], meta fp32 [3, n]."""
     ax = x.abs().masked_fill(~mask, 0.0)
-    big = ax.amax(dim=1)
-    small = torch.where(ax > 0, ax, torch.inf).amin(dim=1)
-    k, center, log2_center, log2_top, scale, inv_cs = _group_params(big, small, cfg)
-    # code = (|x|/c)^k / s = exp2(k*log2|x| - (k*log2 c + log2 s)); k = 1: |x| / (c*s)
-    offset = log2_top - cfg.log2_max + k * log2_center
-    yq = torch.where((k == 1)[:, None], ax * inv_cs[:, None], pm.exp2(k[:, None] * pm.log2(ax) - offset[:, None]))
-    codes = cfg.fmt.quantize(torch.where(x < 0, -yq, yq))
-    return codes, torch.stack([scale, k, center])
-
-
-def _group_params(big, small, cfg: DREConfig):
-    """Per-group k, center c, log2 c, log2 (M/c)^k, scale s and 1/(c s) from M = max|X| and m = min nonzero |X|."""
-    nonzero = big > 0
-    one = torch.ones_like(big)
-    big_s, small_s = torch.where(nonzero, big, one), torch.where(nonzero, small, one)
-    log2_big, log2_small = pm.log2(big_s), pm.log2(small_s)
-    if cfg.expand:
-        log2_ratio = log2_big - log2_small
-        k = torch.floor(_full(big, cfg.expand_numerator) / log2_ratio) / _full(big, cfg.expand_min)
-        k = torch.where(log2_ratio <= LOG2_RATIO_EPS, one, k.clamp(1.0, f32(cfg.k_max)))
-        center = torch.where(nonzero, _sqrt(big_s) * _sqrt(small_s), one)
-        log2_center = (log2_big + log2_small) * 0.5
-    else:
-        k, center, log2_center = one, one, torch.zeros_like(big)
-    log2_top = k * (log2_big - log2_center)
-    top = torch.where(k == 1, big_s / center, pm.exp2(log2_top))  # (M/c)^k
-    scale = torch.where(nonzero, top / _full(top, cfg.fmt.max), torch.zeros_like(big))
-    inv_cs = one / torch.where(nonzero, center * scale, one)
-    return k, center, log2_center, log2_top, scale, inv_cs
-
-
-def _dequantize_rows(codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
-    """x = sign(q) |q s|^(1/k) c, evaluated as exp2(log2|q| / k + log2(s) / k) * c; k = 1: |q| * (s*c)."""
-    scale, k, center = meta
-    raw = codes.view(torch.uint8).long()
-    log2_code = get_format(codes.dtype).log2_table(codes.device)[raw & 0x7F]
-    inv_k = torch.ones_like(k) / k
-    expanded = pm.exp2(log2_code * inv_k[:, None] + (pm.log2(scale) * inv_k)[:, None]) * center[:, None]
-    linear = codes.float().abs() * (scale * center)[:, None]
-    xa = torch.where((k == 1)[:, None], linear, expanded)
-    return torch.where(raw >= 128, -xa, xa)
+    meta = group_params(ax.amax(dim=1), torch.where(ax > 0, ax, torch.inf).amin(dim=1), cfg)
+    return encode(x, meta, cfg), meta
 
 
 def _group_index(layout: GroupLayout, device):
@@ -132,7 +139,7 @@ def quantize(x: torch.Tensor, layout: GroupLayout, cfg: DREConfig):
 def dequantize(codes: torch.Tensor, meta: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
     index, mask = _group_index(layout, codes.device)
     out = torch.zeros(layout.numel, dtype=torch.float32, device=codes.device)
-    out[index[mask]] = _dequantize_rows(_take(codes, index), meta)[mask]
+    out[index[mask]] = decode(_take(codes, index), meta)[mask]
     return out
 
 
@@ -175,8 +182,8 @@ def fused_adamw_step(param, grad, m_codes, m_meta, v_codes, v_meta, layout: Grou
     p_flat, g_flat = param.view(-1), grad.reshape(-1)
     p = p_flat[index].float()
     g = g_flat[index].float().masked_fill(~mask, 0.0)
-    m = _dequantize_rows(_take(m_codes, index), m_meta)
-    v = _dequantize_rows(_take(v_codes, index), v_meta)
+    m = decode(_take(m_codes, index), m_meta)
+    v = decode(_take(v_codes, index), v_meta)
     p, m, v = adamw_update(p, g, m, v, h)
     mq, new_m_meta = _quantize_rows(m, mask, m_cfg)
     vq, new_v_meta = _quantize_rows(v, mask, v_cfg)

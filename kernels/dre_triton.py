@@ -26,65 +26,39 @@ LOG2_RATIO_EPS_C: tl.constexpr = tl.constexpr(LOG2_RATIO_EPS)
 
 
 @triton.jit
-def _group_params(big, small, EXPAND: tl.constexpr, MAX: tl.constexpr, NUM: tl.constexpr, EMIN: tl.constexpr,
-                  KMAX: tl.constexpr):
-    """See dre_reference._group_params: (k, center, log2 center, log2 (M/c)^k, scale, 1/(c*scale))."""
-    nonzero = big > 0
+def _group_params(big, small, EXPAND: tl.constexpr, NUM: tl.constexpr, INV_EMIN: tl.constexpr, KMAX: tl.constexpr):
+    """See dre_reference.group_params: (k, log2 center, log2(scale * Q)) per group."""
     one = tl.full(big.shape, 1.0, tl.float32)
-    big_s = tl.where(nonzero, big, 1.0)
-    small_s = tl.where(nonzero, small, 1.0)
-    log2_big = log2_p(big_s)
-    log2_small = log2_p(small_s)
+    nonzero = big > 0
+    log2_big = log2_p(tl.where(nonzero, big, 1.0))
+    log2_small = log2_p(tl.where(nonzero, small, 1.0))
     if EXPAND:
         log2_ratio = log2_big - log2_small
-        k = tl.math.div_rn(tl.floor(tl.math.div_rn(one * NUM, log2_ratio)), one * EMIN)
+        k = tl.floor(tl.math.div_rn(one * NUM, log2_ratio)) * INV_EMIN
         k = tl.where(log2_ratio <= LOG2_RATIO_EPS_C, 1.0, tl.minimum(tl.maximum(k, 1.0), KMAX))
-        center = tl.where(nonzero, tl.math.sqrt_rn(big_s) * tl.math.sqrt_rn(small_s), 1.0)
         log2_center = (log2_big + log2_small) * 0.5
     else:
         k = one
-        center = one
         log2_center = one * 0.0
-    log2_top = k * (log2_big - log2_center)
-    top = tl.where(k == 1.0, tl.math.div_rn(big_s, center), exp2_p(log2_top))
-    scale = tl.where(nonzero, tl.math.div_rn(top, one * MAX), 0.0)
-    inv_cs = tl.math.div_rn(one, tl.where(nonzero, center * scale, 1.0))
-    return k, center, log2_center, log2_top, scale, inv_cs
+    return k, log2_center, k * (log2_big - log2_center)
 
 
 @triton.jit
-def _encode(x, k, log2_center, log2_top, inv_cs, E5M2: tl.constexpr, LOG2_MAX: tl.constexpr):
-    """FP8 codes of x given its group's parameters (already broadcast to x's shape)."""
-    ax = tl.abs(x)
-    offset = log2_top - LOG2_MAX + k * log2_center
-    yq = tl.where(k == 1.0, ax * inv_cs, exp2_p(k * log2_p(ax) - offset))
-    yq = tl.where(x < 0, -yq, yq)
+def _encode(x, k, log2_center, log2_scale_q, E5M2: tl.constexpr, LOG2_MAX: tl.constexpr):
+    """FP8 codes of x given its group's metadata (already broadcast to x's shape); see dre_reference.encode."""
+    offset = log2_scale_q - LOG2_MAX + k * log2_center
+    y = exp2_p(k * log2_p(tl.abs(x)) - offset)
+    y = tl.where(x < 0, -y, y)
     if E5M2:
-        return to_e5m2(yq)
+        return to_e5m2(y)
     else:
-        return to_e4m3(yq)
+        return to_e4m3(y)
 
 
 @triton.jit
-def _decode_params(scale, k):
-    """Per group: 1/k and log2(scale)/k."""
-    inv_k = tl.math.div_rn(tl.full(k.shape, 1.0, tl.float32), k)
-    return inv_k, log2_p(scale) * inv_k
-
-
-@triton.jit
-def _decode(raw, log2_table, scale_center, center, k, inv_k, log2_scale_over_k, E5M2: tl.constexpr,
-            EXPAND: tl.constexpr):
-    """fp32 values of uint8 codes: sign(q) |q s|^(1/k) c (k == 1 when not EXPAND); group params broadcast."""
-    mag = raw & 0x7F
-    if E5M2:
-        q = mag.to(tl.float8e5, bitcast=True).to(tl.float32)
-    else:
-        q = mag.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    xa = q * scale_center
-    if EXPAND:
-        expanded = exp2_p(tl.load(log2_table + mag) * inv_k + log2_scale_over_k) * center
-        xa = tl.where(k == 1.0, xa, expanded)
+def _decode(raw, log2_table, inv_k, bias):
+    """fp32 values of uint8 codes, given per-group 1/k and bias (broadcast); see dre_reference.decode."""
+    xa = exp2_p(tl.load(log2_table + (raw & 0x7F)) * inv_k + bias)
     return tl.where(raw >= 128, -xa, xa)
 
 
@@ -98,17 +72,17 @@ def _ptr(table, col: tl.constexpr, dtype: tl.constexpr, ALIGNED: tl.constexpr):
 
 @triton.jit
 def _load_meta(meta, n_groups, gid, gmask):
-    scale = tl.load(meta + gid, mask=gmask, other=0.0)
-    k = tl.load(meta + n_groups + gid, mask=gmask, other=1.0)
-    center = tl.load(meta + 2 * n_groups + gid, mask=gmask, other=1.0)
-    return scale, k, center
+    k = tl.load(meta + gid, mask=gmask, other=1.0)
+    log2_center = tl.load(meta + n_groups + gid, mask=gmask, other=0.0)
+    log2_scale_q = tl.load(meta + 2 * n_groups + gid, mask=gmask, other=0.0)
+    return k, log2_center, log2_scale_q
 
 
 @triton.jit
-def _store_meta(meta, n_groups, gid, gmask, scale, k, center):
-    tl.store(meta + gid, scale, mask=gmask)
-    tl.store(meta + n_groups + gid, k, mask=gmask)
-    tl.store(meta + 2 * n_groups + gid, center, mask=gmask)
+def _store_meta(meta, n_groups, gid, gmask, k, log2_center, log2_scale_q):
+    tl.store(meta + gid, k, mask=gmask)
+    tl.store(meta + n_groups + gid, log2_center, mask=gmask)
+    tl.store(meta + 2 * n_groups + gid, log2_scale_q, mask=gmask)
 
 
 @triton.jit
@@ -126,10 +100,10 @@ def _row_tile(row, GROUP: tl.constexpr, NG: tl.constexpr):
 def _fused_adamw_kernel(
     rows, tensors, scalars, skipped, m_table, v_table,
     P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-    M_E5M2: tl.constexpr, M_EXPAND: tl.constexpr, M_MAX: tl.constexpr, M_LOG2_MAX: tl.constexpr,
-    M_NUM: tl.constexpr, M_EMIN: tl.constexpr, M_KMAX: tl.constexpr,
-    V_E5M2: tl.constexpr, V_EXPAND: tl.constexpr, V_MAX: tl.constexpr, V_LOG2_MAX: tl.constexpr,
-    V_NUM: tl.constexpr, V_EMIN: tl.constexpr, V_KMAX: tl.constexpr,
+    M_E5M2: tl.constexpr, M_EXPAND: tl.constexpr, M_LOG2_MAX: tl.constexpr, M_NUM: tl.constexpr,
+    M_INV_EMIN: tl.constexpr, M_KMAX: tl.constexpr,
+    V_E5M2: tl.constexpr, V_EXPAND: tl.constexpr, V_LOG2_MAX: tl.constexpr, V_NUM: tl.constexpr,
+    V_INV_EMIN: tl.constexpr, V_KMAX: tl.constexpr,
     SKIP_NONFINITE: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     row = rows + tl.program_id(0) * 4
@@ -158,9 +132,9 @@ def _fused_adamw_kernel(
     p = tl.load(p_ptr + local, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + local, mask=mask, other=0.0).to(tl.float32)
     m = _decode_group_tile(tl.load(mq_ptr + local, mask=mask, other=0), m_meta, n_groups, gid, gmask, m_table,
-                           M_E5M2, M_EXPAND)
+                           M_LOG2_MAX)
     v = _decode_group_tile(tl.load(vq_ptr + local, mask=mask, other=0), v_meta, n_groups, gid, gmask, v_table,
-                           V_E5M2, V_EXPAND)
+                           V_LOG2_MAX)
     m = m * beta1 + g * one_minus_beta1
     v = v * beta2 + (g * g) * one_minus_beta2
     p = p * decay
@@ -175,57 +149,56 @@ def _fused_adamw_kernel(
         gmask = gmask & ~bad
         mask = mask & ~bad[:, None]
     tl.store(p_ptr + local, p.to(P_DTYPE), mask=mask)
-    _encode_group_tile(m, mask, mq_ptr + local, m_meta, n_groups, gid, gmask, M_E5M2, M_EXPAND, M_MAX, M_LOG2_MAX,
-                       M_NUM, M_EMIN, M_KMAX)
-    _encode_group_tile(v, mask, vq_ptr + local, v_meta, n_groups, gid, gmask, V_E5M2, V_EXPAND, V_MAX, V_LOG2_MAX,
-                       V_NUM, V_EMIN, V_KMAX)
+    _encode_group_tile(m, mask, mq_ptr + local, m_meta, n_groups, gid, gmask, M_E5M2, M_EXPAND, M_LOG2_MAX, M_NUM,
+                       M_INV_EMIN, M_KMAX)
+    _encode_group_tile(v, mask, vq_ptr + local, v_meta, n_groups, gid, gmask, V_E5M2, V_EXPAND, V_LOG2_MAX, V_NUM,
+                       V_INV_EMIN, V_KMAX)
 
 
 @triton.jit
-def _decode_group_tile(raw, meta, n_groups, gid, gmask, log2_table, E5M2: tl.constexpr, EXPAND: tl.constexpr):
+def _decode_group_tile(raw, meta, n_groups, gid, gmask, log2_table, LOG2_MAX: tl.constexpr):
     """Codes [NG, GROUP] of groups `gid` -> fp32 values."""
-    scale, k, center = _load_meta(meta, n_groups, gid, gmask)
-    inv_k, log2_scale_over_k = _decode_params(scale, k)
-    return _decode(raw, log2_table, (scale * center)[:, None], center[:, None], k[:, None], inv_k[:, None],
-                   log2_scale_over_k[:, None], E5M2, EXPAND)
+    k, log2_center, log2_scale_q = _load_meta(meta, n_groups, gid, gmask)
+    inv_k = tl.math.div_rn(tl.full(k.shape, 1.0, tl.float32), k)
+    bias = (log2_scale_q - LOG2_MAX) * inv_k + log2_center
+    return _decode(raw, log2_table, inv_k[:, None], bias[:, None])
 
 
 @triton.jit
 def _encode_group_tile(x, mask, codes_ptrs, meta, n_groups, gid, gmask, E5M2: tl.constexpr, EXPAND: tl.constexpr,
-                       MAX: tl.constexpr, LOG2_MAX: tl.constexpr, NUM: tl.constexpr, EMIN: tl.constexpr,
-                       KMAX: tl.constexpr):
-    """Quantize fp32 [NG, GROUP] groupwise: store codes where `mask`, and (scale, k, center) where `gmask`."""
+                       LOG2_MAX: tl.constexpr, NUM: tl.constexpr, INV_EMIN: tl.constexpr, KMAX: tl.constexpr):
+    """Quantize fp32 [NG, GROUP] groupwise: store codes where `mask`, and the metadata where `gmask`."""
     ax = tl.where(mask, tl.abs(x), 0.0)
     big = tl.max(ax, axis=1)
     small = tl.min(tl.where(ax > 0, ax, float("inf")), axis=1)
-    k, center, log2_center, log2_top, scale, inv_cs = _group_params(big, small, EXPAND, MAX, NUM, EMIN, KMAX)
-    codes = _encode(x, k[:, None], log2_center[:, None], log2_top[:, None], inv_cs[:, None], E5M2, LOG2_MAX)
+    k, log2_center, log2_scale_q = _group_params(big, small, EXPAND, NUM, INV_EMIN, KMAX)
+    codes = _encode(x, k[:, None], log2_center[:, None], log2_scale_q[:, None], E5M2, LOG2_MAX)
     tl.store(codes_ptrs, codes.to(tl.uint8, bitcast=True), mask=mask)
-    _store_meta(meta, n_groups, gid, gmask, scale, k, center)
+    _store_meta(meta, n_groups, gid, gmask, k, log2_center, log2_scale_q)
 
 
 @triton.jit
 def _quantize_kernel(x_ptr, codes_ptr, meta, rows, n_groups, E5M2: tl.constexpr, EXPAND: tl.constexpr,
-                     MAX: tl.constexpr, LOG2_MAX: tl.constexpr, NUM: tl.constexpr, EMIN: tl.constexpr,
-                     KMAX: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr):
+                     LOG2_MAX: tl.constexpr, NUM: tl.constexpr, INV_EMIN: tl.constexpr, KMAX: tl.constexpr,
+                     GROUP: tl.constexpr, NG: tl.constexpr):
     start, local, mask, gid, gmask = _row_tile(rows + tl.program_id(0) * 3, GROUP, NG)
     x = tl.load(x_ptr + start + local, mask=mask, other=0.0).to(tl.float32)
-    _encode_group_tile(x, mask, codes_ptr + start + local, meta, n_groups, gid, gmask, E5M2, EXPAND, MAX, LOG2_MAX,
-                       NUM, EMIN, KMAX)
+    _encode_group_tile(x, mask, codes_ptr + start + local, meta, n_groups, gid, gmask, E5M2, EXPAND, LOG2_MAX,
+                       NUM, INV_EMIN, KMAX)
 
 
 @triton.jit
-def _dequantize_kernel(codes_ptr, meta, out_ptr, rows, n_groups, log2_table, E5M2: tl.constexpr,
+def _dequantize_kernel(codes_ptr, meta, out_ptr, rows, n_groups, log2_table, LOG2_MAX: tl.constexpr,
                        GROUP: tl.constexpr, NG: tl.constexpr):
     start, local, mask, gid, gmask = _row_tile(rows + tl.program_id(0) * 3, GROUP, NG)
     raw = tl.load(codes_ptr + start + local, mask=mask, other=0)
-    x = _decode_group_tile(raw, meta, n_groups, gid, gmask, log2_table, E5M2, True)
+    x = _decode_group_tile(raw, meta, n_groups, gid, gmask, log2_table, LOG2_MAX)
     tl.store(out_ptr + start + local, x, mask=mask)
 
 
 def _moment_args(cfg: DREConfig):
-    return dict(E5M2=cfg.fmt.name == "e5m2", EXPAND=cfg.expand, MAX=cfg.fmt.max, LOG2_MAX=cfg.log2_max,
-                NUM=cfg.expand_numerator, EMIN=cfg.expand_min, KMAX=f32(cfg.k_max))
+    return dict(E5M2=cfg.fmt.name == "e5m2", EXPAND=cfg.expand, LOG2_MAX=cfg.log2_max, NUM=cfg.expand_numerator,
+                INV_EMIN=cfg.inv_expand_min, KMAX=f32(cfg.k_max))
 
 
 def quantize(x: torch.Tensor, layout: GroupLayout, cfg: DREConfig):
@@ -247,7 +220,7 @@ def dequantize(codes: torch.Tensor, meta: torch.Tensor, layout: GroupLayout) -> 
     fmt = get_format(codes.dtype)
     if len(rows):
         _dequantize_kernel[(len(rows),)](codes.view(torch.uint8), meta, out, rows, layout.num_groups,
-                                         fmt.log2_table(codes.device), E5M2=fmt.name == "e5m2",
+                                         fmt.log2_table(codes.device), LOG2_MAX=fmt.log2_max,
                                          GROUP=layout.group_size, NG=TILE_GROUPS, enable_fp_fusion=False)
     return out
 

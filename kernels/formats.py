@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -15,6 +16,11 @@ class FP8Format:
     mantissa_bits: int
     min_normal_exp: int  # exponent of the smallest normal number
     max: float
+
+    @property
+    def log2_max(self) -> float:
+        """log2(max) rounded to fp32 (a constant of the quantization kernels)."""
+        return struct.unpack("f", struct.pack("f", math.log2(self.max)))[0]
 
     @property
     def min_normal(self) -> float:

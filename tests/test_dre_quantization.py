@@ -85,7 +85,7 @@ def test_zero_inside_a_group_does_not_collapse_the_expansion(backend):
     x_with_zero[0] = 0.0
     _, _, meta = roundtrip(x, backend)
     d, _, meta_zero = roundtrip(x_with_zero, backend)
-    assert meta[1].item() > 4 and meta_zero[1].item() == meta[1].item()  # same k: the zero is left out of the min
+    assert meta[0].item() > 4 and meta_zero[0].item() == meta[0].item()  # same k: the zero is left out of the min
     assert d[0].item() == 0.0
     assert rel_err(d, x_with_zero) < 0.02
 
@@ -101,12 +101,12 @@ def test_edge_groups_constant_tail_zero_and_extreme_magnitudes(backend):
     x = torch.cat([const, zeros, tiny, huge, tail])  # tail: a 1-element last group
     d, codes, meta = roundtrip(x, backend)
     assert torch.isfinite(d).all() and torch.isfinite(meta).all()
-    scale, k, center = meta
-    assert k[0] == 1 and torch.equal(d[:G], const)  # constant magnitude: k = 1, exact
-    assert scale[1] == 0 and d[G:2 * G].eq(0).all() and codes[G:2 * G].float().eq(0).all()
+    k = meta[0]
+    assert k[0] == 1 and rel_err(d[:G], const) < 1e-5  # constant magnitude: k = 1, code 448, exact up to exp2/log2
+    assert d[G:2 * G].eq(0).all() and codes[G:2 * G].float().eq(0).all()
     assert rel_err(d[2 * G:3 * G], tiny) < 0.07
     assert rel_err(d[3 * G:4 * G], huge) < 0.07
-    assert k[4] == 1 and d[-1].item() == pytest.approx(0.7, rel=0.07)
+    assert k[4] == 1 and d[-1].item() == pytest.approx(0.7, rel=1e-5)
     assert (k >= 1).all() and (k <= 16).all()
 
 
