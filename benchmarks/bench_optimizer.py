@@ -61,11 +61,12 @@ def main():
     rows.append(bench("CoatFP8AdamW (Triton)", lambda ps: CoatFP8AdamW(ps, lr=1e-4), params, 16))
     if args.sweep:
         from coat_kernels import dre_triton
-        default = (dre_triton.GROUPS_PER_PROGRAM, dre_triton.NUM_WARPS)
-        for groups, warps in ((2, 1), (4, 2), (1, 2)):
-            dre_triton.GROUPS_PER_PROGRAM, dre_triton.NUM_WARPS = groups, warps
-            rows.append(bench(f"  Coat groups={groups} warps={warps}", lambda ps: CoatFP8AdamW(ps, lr=1e-4), params, 16))
-        dre_triton.GROUPS_PER_PROGRAM, dre_triton.NUM_WARPS = default
+        default = (dre_triton.GROUPS_PER_PROGRAM, dre_triton.NUM_WARPS, dre_triton.PROGRAMS_PER_SM)
+        for setting in ((1, 1, 16), (1, 1, 8), (2, 1, 16), (2, 2, 16), (1, 1, 10**6)):
+            dre_triton.GROUPS_PER_PROGRAM, dre_triton.NUM_WARPS, dre_triton.PROGRAMS_PER_SM = setting
+            rows.append(bench("  Coat groups/warps/CTAs-per-SM={}/{}/{}".format(*setting),
+                              lambda ps: CoatFP8AdamW(ps, lr=1e-4), params, 16))
+        dre_triton.GROUPS_PER_PROGRAM, dre_triton.NUM_WARPS, dre_triton.PROGRAMS_PER_SM = default
         rows.append(bench("  Coat no expansion", lambda ps: CoatFP8AdamW(ps, lr=1e-4, expand_exp_avg=False,
                                                                       expand_exp_avg_sq=False), params, 16))
     try:
@@ -74,9 +75,9 @@ def main():
     except Exception as e:  # noqa: BLE001 - report any import/runtime failure of the baseline
         print(f"torchao AdamWFp8: skipped ({type(e).__name__}: {e})")
     base = rows[0][1]
-    print(f"{'optimizer':<26} {'ms/step':>8} {'x fused':>8} {'GB/s':>7} {'state B/param':>14}")
+    print(f"{'optimizer':<40} {'ms/step':>8} {'x fused':>8} {'GB/s':>7} {'state B/param':>14}")
     for name, ms, gbs, bpp in rows:
-        print(f"{name:<26} {ms:8.2f} {ms / base:8.2f} {gbs:7.0f} {bpp:14.3f}")
+        print(f"{name:<40} {ms:8.2f} {ms / base:8.2f} {gbs:7.0f} {bpp:14.3f}")
 
 
 if __name__ == "__main__":
