@@ -61,12 +61,12 @@ def main():
     rows.append(bench("CoatFP8AdamW (Triton)", lambda ps: CoatFP8AdamW(ps, lr=1e-4), params, 16))
     if args.sweep:
         from coat_kernels import dre_triton
-        default = (dre_triton.GROUPS_PER_PROGRAM, dre_triton.NUM_WARPS, dre_triton.PROGRAMS_PER_SM)
-        for setting in ((1, 1, 16), (1, 1, 8), (2, 1, 16), (2, 2, 16), (1, 1, 10**6)):
-            dre_triton.GROUPS_PER_PROGRAM, dre_triton.NUM_WARPS, dre_triton.PROGRAMS_PER_SM = setting
-            rows.append(bench("  Coat groups/warps/CTAs-per-SM={}/{}/{}".format(*setting),
+        default = (dre_triton.GROUPS_PER_PROGRAM, dre_triton.NUM_WARPS)
+        for setting in ((2, 1), (1, 2), (4, 2)):
+            dre_triton.GROUPS_PER_PROGRAM, dre_triton.NUM_WARPS = setting
+            rows.append(bench("  Coat groups/warps per program={}/{}".format(*setting),
                               lambda ps: CoatFP8AdamW(ps, lr=1e-4), params, 16))
-        dre_triton.GROUPS_PER_PROGRAM, dre_triton.NUM_WARPS, dre_triton.PROGRAMS_PER_SM = default
+        dre_triton.GROUPS_PER_PROGRAM, dre_triton.NUM_WARPS = default
         rows.append(bench("  Coat no expansion", lambda ps: CoatFP8AdamW(ps, lr=1e-4, expand_exp_avg=False,
                                                                       expand_exp_avg_sq=False), params, 16))
     try:

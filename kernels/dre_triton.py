@@ -4,8 +4,8 @@ Same math and operation order as `dre_reference.py` (IEEE div/sqrt, portable_mat
 off), so codes match the reference bit for bit on the GPU and under TRITON_INTERPRET.
 
 One program handles a tile [groups, 128] of one run (`GroupLayout.rows`); a launch covers many tensors through a
-pointer table, with no host synchronisation. (A thread-per-group variant, which computes each group's parameters
-once instead of in every thread of the group, measured 3x slower on the H100: its strided loads do not coalesce.)
+pointer table, with no host synchronisation. Tried and measured slower on the H100 (BENCHMARKS.md): a thread per
+group (3x, strided loads do not coalesce), more groups or warps per program, a persistent grid (+17%).
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from .triton_fp8 import to_e4m3, to_e5m2
 
 GROUPS_PER_PROGRAM = 1  # fused AdamW tile [groups, 128]: 1 group x 1 warp was the fastest on the H100
 NUM_WARPS = 1
-PROGRAMS_PER_SM = 32  # persistent grid: the most resident 1-warp CTAs per Hopper SM
 TILE_GROUPS = 8  # standalone quantize/dequantize: groups per program
 LOG2_RATIO_EPS_C: tl.constexpr = tl.constexpr(LOG2_RATIO_EPS)
 
@@ -99,65 +98,61 @@ def _row_tile(row, GROUP: tl.constexpr, NG: tl.constexpr):
 
 @triton.jit
 def _fused_adamw_kernel(
-    rows, n_rows, n_programs, tensors, scalars, skipped, m_table, v_table,
+    rows, tensors, scalars, skipped, m_table, v_table,
     P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
     M_E5M2: tl.constexpr, M_EXPAND: tl.constexpr, M_LOG2_MAX: tl.constexpr, M_NUM: tl.constexpr,
     M_INV_EMIN: tl.constexpr, M_KMAX: tl.constexpr,
     V_E5M2: tl.constexpr, V_EXPAND: tl.constexpr, V_LOG2_MAX: tl.constexpr, V_NUM: tl.constexpr,
     V_INV_EMIN: tl.constexpr, V_KMAX: tl.constexpr,
     SKIP_NONFINITE: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, ALIGNED: tl.constexpr,
-    ROWS_PER_PROGRAM: tl.constexpr,
 ):
-    for i in range(0, ROWS_PER_PROGRAM):  # persistent grid: no per-CTA launch cost
-        row_index = tl.program_id(0) + i * n_programs
-        if row_index < n_rows:
-            row = rows + row_index * 4
-            t = tl.load(row)
-            start, local, mask, gid, gmask = _row_tile(row + 1, GROUP, NG)
-            if ALIGNED:
-                start = tl.multiple_of(start, 16)
-            tab = tensors + t * 8
-            p_ptr = _ptr(tab, 0, P_DTYPE, ALIGNED) + start
-            g_ptr = _ptr(tab, 1, G_DTYPE, ALIGNED) + start
-            mq_ptr = _ptr(tab, 2, tl.uint8, ALIGNED) + start
-            vq_ptr = _ptr(tab, 3, tl.uint8, ALIGNED) + start
-            m_meta = _ptr(tab, 4, tl.float32, False)
-            v_meta = _ptr(tab, 5, tl.float32, False)
-            n_groups = tl.load(tab + 6)
-            sc = scalars + t * 8  # AdamWScalars, in field order
-            decay = tl.load(sc)
-            step_size = tl.load(sc + 1)
-            inv_bc2_sqrt = tl.load(sc + 2)
-            eps = tl.load(sc + 3)
-            beta1 = tl.load(sc + 4)
-            one_minus_beta1 = tl.load(sc + 5)
-            beta2 = tl.load(sc + 6)
-            one_minus_beta2 = tl.load(sc + 7)
+    row = rows + tl.program_id(0) * 4
+    t = tl.load(row)
+    start, local, mask, gid, gmask = _row_tile(row + 1, GROUP, NG)
+    if ALIGNED:
+        start = tl.multiple_of(start, 16)
+    tab = tensors + t * 8
+    p_ptr = _ptr(tab, 0, P_DTYPE, ALIGNED) + start
+    g_ptr = _ptr(tab, 1, G_DTYPE, ALIGNED) + start
+    mq_ptr = _ptr(tab, 2, tl.uint8, ALIGNED) + start
+    vq_ptr = _ptr(tab, 3, tl.uint8, ALIGNED) + start
+    m_meta = _ptr(tab, 4, tl.float32, False)
+    v_meta = _ptr(tab, 5, tl.float32, False)
+    n_groups = tl.load(tab + 6)
+    sc = scalars + t * 8  # AdamWScalars, in field order
+    decay = tl.load(sc)
+    step_size = tl.load(sc + 1)
+    inv_bc2_sqrt = tl.load(sc + 2)
+    eps = tl.load(sc + 3)
+    beta1 = tl.load(sc + 4)
+    one_minus_beta1 = tl.load(sc + 5)
+    beta2 = tl.load(sc + 6)
+    one_minus_beta2 = tl.load(sc + 7)
 
-            p = tl.load(p_ptr + local, mask=mask, other=0.0).to(tl.float32)
-            g = tl.load(g_ptr + local, mask=mask, other=0.0).to(tl.float32)
-            m = _decode_group_tile(tl.load(mq_ptr + local, mask=mask, other=0), m_meta, n_groups, gid, gmask, m_table,
-                                   M_LOG2_MAX)
-            v = _decode_group_tile(tl.load(vq_ptr + local, mask=mask, other=0), v_meta, n_groups, gid, gmask, v_table,
-                                   V_LOG2_MAX)
-            m = m * beta1 + g * one_minus_beta1
-            v = v * beta2 + (g * g) * one_minus_beta2
-            p = p * decay
-            denom = tl.math.sqrt_rn(v) * inv_bc2_sqrt + eps
-            p = p - step_size * tl.math.div_rn(m, denom)
+    p = tl.load(p_ptr + local, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + local, mask=mask, other=0.0).to(tl.float32)
+    m = _decode_group_tile(tl.load(mq_ptr + local, mask=mask, other=0), m_meta, n_groups, gid, gmask, m_table,
+                           M_LOG2_MAX)
+    v = _decode_group_tile(tl.load(vq_ptr + local, mask=mask, other=0), v_meta, n_groups, gid, gmask, v_table,
+                           V_LOG2_MAX)
+    m = m * beta1 + g * one_minus_beta1
+    v = v * beta2 + (g * g) * one_minus_beta2
+    p = p * decay
+    denom = tl.math.sqrt_rn(v) * inv_bc2_sqrt + eps
+    p = p - step_size * tl.math.div_rn(m, denom)
 
-            if SKIP_NONFINITE:  # groups with NaN/Inf gradients keep everything
-                finite = (g == g) & (tl.abs(g) != float("inf"))
-                bad = tl.max(tl.where(mask & ~finite, 1, 0), axis=1) > 0
-                n_bad = tl.sum(bad.to(tl.int32), axis=0)
-                tl.atomic_add(skipped, n_bad, mask=n_bad > 0)
-                gmask = gmask & ~bad
-                mask = mask & ~bad[:, None]
-            tl.store(p_ptr + local, p.to(P_DTYPE), mask=mask)
-            _encode_group_tile(m, mask, mq_ptr + local, m_meta, n_groups, gid, gmask, M_E5M2, M_EXPAND, M_LOG2_MAX, M_NUM,
-                               M_INV_EMIN, M_KMAX)
-            _encode_group_tile(v, mask, vq_ptr + local, v_meta, n_groups, gid, gmask, V_E5M2, V_EXPAND, V_LOG2_MAX, V_NUM,
-                               V_INV_EMIN, V_KMAX)
+    if SKIP_NONFINITE:  # groups with NaN/Inf gradients keep everything
+        finite = (g == g) & (tl.abs(g) != float("inf"))
+        bad = tl.max(tl.where(mask & ~finite, 1, 0), axis=1) > 0
+        n_bad = tl.sum(bad.to(tl.int32), axis=0)
+        tl.atomic_add(skipped, n_bad, mask=n_bad > 0)
+        gmask = gmask & ~bad
+        mask = mask & ~bad[:, None]
+    tl.store(p_ptr + local, p.to(P_DTYPE), mask=mask)
+    _encode_group_tile(m, mask, mq_ptr + local, m_meta, n_groups, gid, gmask, M_E5M2, M_EXPAND, M_LOG2_MAX, M_NUM,
+                       M_INV_EMIN, M_KMAX)
+    _encode_group_tile(v, mask, vq_ptr + local, v_meta, n_groups, gid, gmask, V_E5M2, V_EXPAND, V_LOG2_MAX, V_NUM,
+                       V_INV_EMIN, V_KMAX)
 
 
 @triton.jit
@@ -230,12 +225,6 @@ def dequantize(codes: torch.Tensor, meta: torch.Tensor, layout: GroupLayout) -> 
     return out
 
 
-def _persistent_programs(device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count * PROGRAMS_PER_SM
-
-
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -264,12 +253,10 @@ def fused_adamw(rows: torch.Tensor, rows_aligned: bool, params, grads, m_codes, 
     tensors = torch.tensor(table, dtype=torch.int64, pin_memory=pin).to(device, non_blocking=True)
     consts = torch.tensor([[getattr(h, f) for f in AdamWScalars.__dataclass_fields__] for h in scalars],
                           dtype=torch.float32, pin_memory=pin).to(device, non_blocking=True)
-    rows_per_program = triton.next_power_of_2(triton.cdiv(len(rows), _persistent_programs(device)))  # few compiles
-    programs = triton.cdiv(len(rows), rows_per_program)
-    _fused_adamw_kernel[(programs,)](
-        rows, len(rows), programs, tensors, consts, skipped, m_cfg.fmt.log2_table(device), v_cfg.fmt.log2_table(device),
+    _fused_adamw_kernel[(len(rows),)](
+        rows, tensors, consts, skipped, m_cfg.fmt.log2_table(device), v_cfg.fmt.log2_table(device),
         P_DTYPE=_TRITON_DTYPES[params[0].dtype], G_DTYPE=_TRITON_DTYPES[grads[0].dtype],
         **{f"M_{k}": v for k, v in _moment_args(m_cfg).items()}, **{f"V_{k}": v for k, v in _moment_args(v_cfg).items()},
         SKIP_NONFINITE=skip_nonfinite, GROUP=layouts[0].group_size, NG=GROUPS_PER_PROGRAM, ALIGNED=aligned,
-        ROWS_PER_PROGRAM=rows_per_program, enable_fp_fusion=False, num_warps=NUM_WARPS,
+        enable_fp_fusion=False, num_warps=NUM_WARPS,
     )
