@@ -1,0 +1,41 @@
+"""CoatMLP: Megatron's MLP with COAT's FP8 non-linearity between fc1 and fc2.
+
+fc1 is the fused norm + FP8 column-parallel linear; the activation is handed to fc2 (`fused_activation`), where
+SwiGLU (or GELU) reads fc1's output, saves it in FP8 groups and feeds fc2's FP8 GEMM. Everything else, including
+`sharded_state_dict` with the [gate, up] interleave factory for TP resharding, is Megatron's MLP.
+"""
+from __future__ import annotations
+
+import torch.nn.functional as F
+from megatron.core.transformer.mlp import MLP
+
+from .layers import CoatRowParallelLinear
+
+
+def coat_activation(config) -> str:
+    """The FP8 block matching config's activation: "swiglu" (silu + GLU) or "gelu" (no GLU)."""
+    if config.gated_linear_unit and config.activation_func is F.silu:
+        return "swiglu"
+    if not config.gated_linear_unit and config.activation_func is F.gelu:
+        return "gelu"
+    name = getattr(config.activation_func, "__name__", config.activation_func)
+    raise ValueError(f"COAT MLP supports SwiGLU (--swiglu) and GELU; got activation {name} with "
+                     f"gated_linear_unit={config.gated_linear_unit}")
+
+
+class CoatMLP(MLP):
+    def __init__(self, config, submodules, *args, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        if not isinstance(self.linear_fc2, CoatRowParallelLinear):
+            raise TypeError(f"CoatMLP needs CoatRowParallelLinear as linear_fc2, got {type(self.linear_fc2)}")
+        if config.use_te_activation_func:
+            raise ValueError("CoatMLP runs its own FP8 activation: unset use_te_activation_func")
+        self.linear_fc2.fused_activation = coat_activation(config)
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        if per_token_scale is not None:
+            raise NotImplementedError("CoatMLP does not support per_token_scale (MoE experts)")
+        intermediate, fc1_bias = self.linear_fc1(hidden_states)
+        if fc1_bias is not None:
+            intermediate = intermediate + fc1_bias
+        return self.linear_fc2(intermediate)

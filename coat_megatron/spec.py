@@ -1,0 +1,79 @@
+"""Layer and decoder-block specs for `--transformer-impl coat`, built from megatron-core's stable primitives.
+
+Mirrors the TransformerEngine spec: the input/pre-MLP norms are fused into linear_qkv/linear_fc1
+(CoatLayerNormColumnParallelLinear), linear_proj/linear_fc2 are CoatRowParallelLinear, the MLP is CoatMLP and the
+block's final norm is CoatNorm. Works with megatron-core 0.16 (ModuleSpec MLP) and 0.19 (MLP builder callables).
+"""
+from __future__ import annotations
+
+import functools
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+
+from .attention import core_attention_class
+from .layers import CoatLayerNormColumnParallelLinear, CoatNorm, CoatRowParallelLinear
+from .mlp import CoatMLP
+
+
+def get_coat_mlp_spec():
+    submodules = MLPSubmodules(linear_fc1=CoatLayerNormColumnParallelLinear, linear_fc2=CoatRowParallelLinear)
+    if hasattr(MLP, "as_mlp_submodule"):  # 0.19+: TransformerLayer calls mlp(config=, pg_collection=, ...)
+        return functools.partial(CoatMLP.as_mlp_submodule, submodules=submodules)
+    return ModuleSpec(module=CoatMLP, submodules=submodules)
+
+
+def get_gpt_layer_coat_spec(qk_layernorm: bool = False, attention: str = "auto") -> ModuleSpec:
+    """A dense GPT TransformerLayer on COAT's FP8 blocks (attention core in BF16: see coat_megatron.attention)."""
+    qk_norm = CoatNorm if qk_layernorm else IdentityOp
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=CoatLayerNormColumnParallelLinear,
+                    core_attention=core_attention_class(attention),
+                    linear_proj=CoatRowParallelLinear,
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            mlp=get_coat_mlp_spec(),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def get_gpt_decoder_block_coat_spec(config, vp_stage=None, pp_rank=None, qk_layernorm=None,
+                                    attention: str = "auto") -> TransformerBlockSubmodules:
+    """This pipeline stage's COAT layers plus CoatNorm as the final norm."""
+    if config.num_moe_experts:
+        raise NotImplementedError("the COAT spec covers dense GPT layers; MoE is not supported")
+    if qk_layernorm is None:
+        qk_layernorm = config.qk_layernorm
+    layer = get_gpt_layer_coat_spec(qk_layernorm=qk_layernorm, attention=attention)
+    layer_specs = [layer] * config.num_layers
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if layout is not None:
+        from megatron.core.transformer.enums import LayerType
+
+        ids = layout.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank)
+        local_specs = [layer_specs[i] for i in ids]
+    else:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        local_specs = layer_specs[offset: offset + get_num_layers_to_build(config, vp_stage=vp_stage,
+                                                                           pp_rank=pp_rank)]
+    return TransformerBlockSubmodules(layer_specs=local_specs, layer_norm=CoatNorm)
