@@ -1,0 +1,43 @@
+"""Command-line options for `--transformer-impl coat`, as a megatron.training `extra_args_provider`.
+
+Megatron generates `--transformer-impl` from TransformerConfig's Literal, with closed argparse choices; this adds
+"coat" to them (the value then flows into TransformerConfig unchanged, which does not enforce the Literal) and
+adds the `--coat-*` options.
+"""
+from __future__ import annotations
+
+import argparse
+
+from .attention import ATTENTION_BACKENDS
+
+COAT_IMPL = "coat"
+
+
+def add_coat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    action = parser._option_string_actions.get("--transformer-impl")  # argparse-internal, stable for years
+    if action is None:
+        raise RuntimeError("this megatron.training has no --transformer-impl option to extend with 'coat'")
+    if action.choices is not None and COAT_IMPL not in action.choices:
+        action.choices = tuple(action.choices) + (COAT_IMPL,)
+    group = parser.add_argument_group("COAT (--transformer-impl coat)")
+    group.add_argument("--coat-attention", choices=ATTENTION_BACKENDS, default="auto",
+                       help="attention core of the COAT spec (BF16): auto = TE if importable, else Megatron's "
+                            "DotProductAttention on CUDA, else torch SDPA")
+    return parser
+
+
+def validate_coat_args(args) -> None:
+    """Reject settings the COAT spec cannot honour, with the option to change."""
+    if args.transformer_impl != COAT_IMPL:
+        return
+    problems = []
+    if getattr(args, "fp8", None):
+        problems.append("--fp8-format selects TransformerEngine's FP8; COAT quantizes by itself: drop it")
+    if getattr(args, "num_experts", None):
+        problems.append("MoE (--num-experts) is not covered by the COAT spec")
+    if getattr(args, "normalization", "LayerNorm") not in ("LayerNorm", "RMSNorm"):
+        problems.append(f"--normalization {args.normalization} is not supported (LayerNorm, RMSNorm)")
+    if getattr(args, "context_parallel_size", 1) > 1 and args.coat_attention == "sdpa":
+        problems.append("--coat-attention sdpa does not support context parallelism")
+    if problems:
+        raise SystemExit("--transformer-impl coat: " + "; ".join(problems))
