@@ -27,12 +27,12 @@ run() {  # run NAME GPUS NPROC PORT ARGS...
   local name=$1 gpus=$2 nproc=$3 port=$4; shift 4
   echo "== $name: CUDA_VISIBLE_DEVICES=$gpus torchrun --nproc_per_node $nproc -m coat_megatron.pretrain_gpt $*"
   local rc=0
-  CUDA_VISIBLE_DEVICES=$gpus torchrun --nproc_per_node "$nproc" --master_port "$port" \
+  CUDA_VISIBLE_DEVICES=$gpus python3 -m torch.distributed.run --nproc_per_node "$nproc" --master_port "$port" \
     -m coat_megatron.pretrain_gpt "${COMMON[@]}" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
   echo "== $name: exit $rc"
 }
 
-if python -c "import transformer_engine.pytorch" 2>/dev/null; then
+if python3 -c "import transformer_engine.pytorch" 2>/dev/null; then
   run te_bf16 0 1 29501 --transformer-impl transformer_engine &
   run te_fp8_tensorwise 1 1 29502 --transformer-impl transformer_engine --fp8-format hybrid --fp8-recipe tensorwise &
   wait
