@@ -14,6 +14,8 @@ COAT_IMPL = "coat"
 
 
 def add_coat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    if "--coat-attention" in parser._option_string_actions:
+        return parser
     action = parser._option_string_actions.get("--transformer-impl")  # argparse-internal, stable for years
     if action is None:
         raise RuntimeError("this megatron.training has no --transformer-impl option to extend with 'coat'")
@@ -24,6 +26,26 @@ def add_coat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="attention core of the COAT spec (BF16): auto = TE if importable, else Megatron's "
                             "DotProductAttention on CUDA, else torch SDPA")
     return parser
+
+
+def install_coat_args() -> None:
+    """Make every parser megatron.training builds accept the COAT options.
+
+    megatron.training re-parses sys.argv with its own parser outside `extra_args_provider` (0.19:
+    ft_integration.setup and inprocess_restart call `parse_args(ignore_unknown_args=True)`, and an unknown
+    *choice* is still an error), so the options are added where that parser is built: `add_megatron_arguments`.
+    """
+    from megatron.training import arguments
+
+    original = arguments.add_megatron_arguments
+    if getattr(original, "adds_coat_args", False):
+        return
+
+    def add_megatron_and_coat_arguments(parser):
+        return add_coat_args(original(parser))
+
+    add_megatron_and_coat_arguments.adds_coat_args = True
+    arguments.add_megatron_arguments = add_megatron_and_coat_arguments
 
 
 def validate_coat_args(args) -> None:

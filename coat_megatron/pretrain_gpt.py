@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from .arguments import COAT_IMPL, add_coat_args, validate_coat_args
+from .arguments import COAT_IMPL, install_coat_args, validate_coat_args
 
 
 def _require_megatron_training():
@@ -131,21 +131,36 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 
 
+def _use_prebuilt_dataset_helpers():
+    """megatron.training runs `make` in megatron/core/datasets at start-up and exits when it fails; the wheels
+    ship the compiled helpers (helpers_cpp) but not the Makefile. Skip the build when they import."""
+    try:
+        import megatron.core.datasets.helpers_cpp  # noqa: F401
+    except ImportError:
+        return
+    import megatron.core.datasets.utils as dataset_utils
+
+    dataset_utils.compile_helpers = lambda: None
+
+
 def main():
     _require_megatron_training()
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
 
+    install_coat_args()
+    _use_prebuilt_dataset_helpers()
+
     params = list(inspect.signature(pretrain).parameters)
     if params[0] != "cfg_container":  # 0.16 checkout / 0.17: pretrain parses the arguments itself
         pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
-                 extra_args_provider=add_coat_args, args_defaults=ARGS_DEFAULTS)
+                 args_defaults=ARGS_DEFAULTS)
         _report_peak_memory()
         return
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-    args = parse_and_validate_args(extra_args_provider=add_coat_args, args_defaults=ARGS_DEFAULTS)
+    args = parse_and_validate_args(args_defaults=ARGS_DEFAULTS)
     validate_coat_args(args)
     if params.index("model_provider") > 3:  # 0.19+: the model is described by a ModelConfig with a builder
         from megatron.training.argument_utils import gpt_config_from_args

@@ -124,13 +124,16 @@ def test_coat_args_reject_te_fp8_and_moe():
 
 def test_megatron_training_parses_transformer_impl_coat(monkeypatch):
     try:
-        from megatron.training.arguments import parse_args
+        from megatron.training import arguments
     except ImportError:
         pytest.skip("megatron.training is not in this megatron-core (it ships from 0.17 on)")
-    from coat_megatron.arguments import add_coat_args
+    from coat_megatron.arguments import install_coat_args
 
+    monkeypatch.setattr(arguments, "add_megatron_arguments", arguments.add_megatron_arguments)  # restored after
+    install_coat_args()
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt", "--transformer-impl", "coat", "--coat-attention", "sdpa"])
-    args = parse_args(extra_args_provider=add_coat_args)
+    # megatron.training re-parses sys.argv by itself (ft_integration.setup): that parser must accept coat too.
+    args = arguments.parse_args(ignore_unknown_args=True)
     assert (args.transformer_impl, args.coat_attention) == ("coat", "sdpa")
 
 
