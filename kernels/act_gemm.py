@@ -1,0 +1,28 @@
+"""FP8 GEMMs through `torch._scaled_mm` (per-tensor scales, fp32 accumulation).
+
+Hopper's FP8 GEMM takes A row-major and B column-major ("TN"): `fp8_gemm(a, b_rows, ...)` computes
+a [M, K] @ b_rows[N, K].T, passing `b_rows.t()` (a free view) as B; the quantizers in act_quant write each operand
+already in that layout (row-major copy for forward/dgrad, transposed copy for wgrad), so no GEMM needs a copy.
+Scales are fp32 0-dim dequantization scales. E5M2 x E5M2 is not supported by the hardware and never needed here:
+dgrad is E5M2 (grad) x E4M3 (weight), wgrad E5M2 (grad^T) x E4M3 (input^T).
+torch 2.13 also runs `_scaled_mm` on CPU (dequantize + fp32 matmul), so CPU and CUDA share this code path.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def check_gemm_dims(k: int, n: int, what: str):
+    if k % 16 or n % 16:
+        raise ValueError(f"{what}: FP8 GEMMs need in_features and out_features to be multiples of 16, "
+                         f"got in_features={k}, out_features={n}")
+
+
+def fp8_gemm(a: torch.Tensor, b_rows: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+             out_dtype=torch.bfloat16, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a [M, K] fp8 row-major, b_rows [N, K] fp8 row-major -> a @ b_rows.T * scale_a * scale_b (+ bias), [M, N]."""
+    if a.shape[0] == 0:
+        return torch.zeros(0, b_rows.shape[0], dtype=out_dtype, device=a.device)
+    if bias is not None and bias.dtype != out_dtype:
+        bias = bias.to(out_dtype)
+    return torch._scaled_mm(a, b_rows.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)

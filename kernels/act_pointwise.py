@@ -1,0 +1,119 @@
+"""SiLU and GELU (erf form, torch's default) on FP8 inputs: forward quantizes x to E4M3 1x16 groups (saved for
+backward) and applies the activation to the dequantized values; backward reads only the FP8 copy and dy."""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import act_quant as aq
+from .formats import E4M3
+
+ACTIVATIONS = {"silu": 0, "gelu": 1}
+_INV_SQRT2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr):
+    if ACT == 0:
+        return x / (1.0 + tl.exp(-x))
+    else:
+        return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+
+
+@triton.jit
+def _act_grad(x, ACT: tl.constexpr):
+    if ACT == 0:
+        s = 1.0 / (1.0 + tl.exp(-x))
+        return s + x * s * (1.0 - s)
+    else:
+        return 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+
+
+@triton.jit
+def _act_fwd_kernel(x_ptr, q_ptr, e_ptr, y_ptr, M, K, ACT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    cols = pid_k * BK + tl.arange(0, BK)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    offs = rows[:, None] * K + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    q, e, xd = aq.quantize_groups(x, BM, BK, 448.0, False)
+    tl.store(q_ptr + offs, q, mask=mask)
+    gcols = pid_k * (BK // 16) + tl.arange(0, BK // 16)
+    tl.store(e_ptr + rows[:, None] * (K // 16) + gcols[None, :], e.to(tl.uint8),
+             mask=(rows[:, None] < M) & (gcols[None, :] < K // 16))
+    tl.store(y_ptr + offs, _act(xd, ACT).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _act_bwd_kernel(q_ptr, e_ptr, dy_ptr, dx_ptr, M, K, ACT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    cols = pid_k * BK + tl.arange(0, BK)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    offs = rows[:, None] * K + cols[None, :]
+    q = tl.load(q_ptr + offs, mask=mask, other=0.0)
+    gcols = pid_k * (BK // 16) + tl.arange(0, BK // 16)
+    e = tl.load(e_ptr + rows[:, None] * (K // 16) + gcols[None, :],
+                mask=(rows[:, None] < M) & (gcols[None, :] < K // 16), other=127).to(tl.int32)
+    xd = aq.dequantize_groups(q, e, BM, BK)
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dx_ptr + offs, (dy * _act_grad(xd, ACT)).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def act_ref(x, name):
+    if name == "silu":
+        return x / (1.0 + torch.exp(-x))
+    return 0.5 * x * (1.0 + torch.erf(x * _INV_SQRT2))
+
+
+def act_grad_ref(x, name):
+    if name == "silu":
+        s = 1.0 / (1.0 + torch.exp(-x))
+        return s + x * s * (1.0 - s)
+    return 0.5 * (1.0 + torch.erf(x * _INV_SQRT2)) + x * _INV_SQRT_2PI * torch.exp(-0.5 * x * x)
+
+
+BM, BK = 32, 128
+
+
+def _act_id(name):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {name!r}")
+    return ACTIVATIONS[name]
+
+
+def act_forward(x, name, *, triton_kernels=None):
+    """x [..., K] -> (y in x's dtype, q fp8, e uint8): y = act(dequantized 1x16 E4M3 copy of x)."""
+    act = _act_id(name)
+    if not (aq.use_triton(x) if triton_kernels is None else triton_kernels):
+        q, e = aq.group_quantize_ref(x, E4M3)
+        return act_ref(aq.group_dequantize_ref(q, e, torch.float32), name).to(x.dtype), q, e
+    k = x.shape[-1]
+    aq.check_group_dim(k)
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    q = torch.empty(x2.shape, dtype=E4M3.dtype, device=x.device)
+    e = torch.empty(m, k // aq.GROUP, dtype=torch.uint8, device=x.device)
+    y = torch.empty_like(x2)
+    if m:
+        _act_fwd_kernel[(triton.cdiv(m, BM), triton.cdiv(k, BK))](x2, q, e, y, m, k, ACT=act, BM=BM, BK=BK)
+    return y.reshape(x.shape), q.reshape(x.shape), e.reshape(*x.shape[:-1], k // aq.GROUP)
+
+
+def act_backward(q, e, dy, name, *, triton_kernels=None):
+    act = _act_id(name)
+    if not (aq.use_triton(q) if triton_kernels is None else triton_kernels):
+        return (dy.float() * act_grad_ref(aq.group_dequantize_ref(q, e, torch.float32), name)).to(dy.dtype)
+    k = q.shape[-1]
+    q2 = q.reshape(-1, k)
+    m = q2.shape[0]
+    dx = torch.empty(q2.shape, dtype=dy.dtype, device=q.device)
+    if m:
+        _act_bwd_kernel[(triton.cdiv(m, BM), triton.cdiv(k, BK))](q2, e.reshape(m, -1), dy.reshape(m, k).contiguous(),
+                                                                  dx, m, k, ACT=act, BM=BM, BK=BK)
+    return dx.reshape(q.shape)

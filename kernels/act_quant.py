@@ -1,0 +1,330 @@
+"""FP8 activation quantization: 1x16 groups (what non-linear layers save) and per-tensor (GEMM operands).
+
+1x16 groups: one scale per 16 consecutive elements of the last dim, stored as one byte, a power-of-two exponent
+(E8M0: scale = 2**(e - 127), rounded UP from amax/FP8_MAX so nothing saturates; e = 255 marks a group holding
+Inf/NaN, which dequantizes to NaN). benchmarks/bench_act_scale_dtype.py measures this against fp32 and bf16
+scales: the same error within 1% (a power of two only moves the FP8 exponent range), a quarter of the bytes.
+
+Per-tensor: scale = amax / FP8_MAX in fp32 (1 when amax = 0, NaN when the tensor holds Inf/NaN, so the GEMM that
+consumes it returns NaN and the step's overflow check sees it). Group scaling: the kernel that produces a tensor
+writes one partial amax per program (stage 1), `finalize_scale` reduces them on the device (stage 2), and a cast
+kernel divides and casts, writing the row-major copy, the transposed copy (rows padded with zeros to a multiple
+of 16, the K dim of the weight-gradient GEMM), or both.
+
+Every op has a torch reference (CPU, and the test oracle) and a Triton kernel (CUDA; CPU tensors under
+TRITON_INTERPRET=1 when asked). `use_triton(t)` picks: CUDA tensors -> Triton, CPU -> torch, unless
+COAT_ACT_BACKEND=triton|torch forces one.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .formats import E4M3, E5M2, get_format
+from .triton_fp8 import to_e4m3, to_e5m2
+
+GROUP = 16
+NO_SCALE = 255  # scale exponent marking a group with Inf/NaN
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    forced = os.environ.get("COAT_ACT_BACKEND", "")
+    if forced in ("triton", "torch"):
+        return forced == "triton"
+    return t.is_cuda
+
+
+def pad16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def check_group_dim(k: int, what: str = "last dim"):
+    if k % GROUP:
+        raise ValueError(f"FP8 1x{GROUP} groups need the {what} to be a multiple of {GROUP}, got {k}")
+
+
+# ----------------------------------------------------------------------------------------------- Triton helpers
+@triton.jit
+def fp8_cast(y, E5M2_OUT: tl.constexpr):
+    if E5M2_OUT:
+        return to_e5m2(y)
+    else:
+        return to_e4m3(y)
+
+
+@triton.jit
+def encode_group_exponent(amax, bad, FP8_MAX: tl.constexpr):
+    """int32 exponent e of the power-of-two scale >= amax / FP8_MAX (127 for an all-zero group, 255 if bad)."""
+    bits = (amax / FP8_MAX).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    e = tl.where(amax == 0, 127, e)
+    e = tl.minimum(tl.maximum(e, 1), 254)
+    return tl.where(bad, 255, e)
+
+
+@triton.jit
+def decode_group_exponent(e):
+    scale = (e << 23).to(tl.float32, bitcast=True)
+    return tl.where(e == 255, float("nan"), scale)
+
+
+@triton.jit
+def quantize_groups(x, BM: tl.constexpr, BK: tl.constexpr, FP8_MAX: tl.constexpr, E5M2_OUT: tl.constexpr):
+    """x fp32 [BM, BK] -> (FP8 codes [BM, BK], exponents int32 [BM, BK//16], dequantized fp32 [BM, BK])."""
+    x3 = tl.reshape(x, (BM, BK // 16, 16))
+    a3 = tl.abs(x3)
+    bad = tl.max(((x3 != x3) | (a3 == float("inf"))).to(tl.int32), axis=2) > 0
+    amax = tl.max(tl.where(a3 == a3, a3, 0.0), axis=2)
+    e = encode_group_exponent(amax, bad, FP8_MAX)
+    scale = decode_group_exponent(e)
+    q3 = fp8_cast(x3 / scale[:, :, None], E5M2_OUT)
+    deq = tl.reshape(q3.to(tl.float32) * scale[:, :, None], (BM, BK))
+    return tl.reshape(q3, (BM, BK)), e, deq
+
+
+@triton.jit
+def dequantize_groups(q, e, BM: tl.constexpr, BK: tl.constexpr):
+    """FP8 codes [BM, BK] and int32 exponents [BM, BK//16] -> fp32 [BM, BK]."""
+    q3 = tl.reshape(q.to(tl.float32), (BM, BK // 16, 16))
+    return tl.reshape(q3 * decode_group_exponent(e)[:, :, None], (BM, BK))
+
+
+@triton.jit
+def tile_amax(y, mask):
+    """max |y| over the masked tile; NaN if any element is Inf/NaN (stage 1 of group scaling)."""
+    a = tl.abs(y)
+    bad = tl.max(tl.where(mask & ((a != a) | (a == float("inf"))), 1, 0))
+    amax = tl.max(tl.where(mask & (a == a), a, 0.0))
+    return tl.where(bad > 0, float("nan"), amax)
+
+
+@triton.jit
+def store_cast(y, rows, cols, scale, out_ptr, out_t_ptr, M, N, M_PAD,
+               WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr, E5M2_OUT: tl.constexpr):
+    """Cast tile y [BM, BN] (rows >= M already zero) with a per-tensor scale; write out [M, N] and/or out_t [N, M_PAD]."""
+    q = fp8_cast(y / scale, E5M2_OUT)
+    if WRITE_ROW:
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], q, mask=(rows[:, None] < M) & (cols[None, :] < N))
+    if WRITE_T:
+        qt = tl.trans(q)
+        tl.store(out_t_ptr + cols[:, None] * M_PAD + rows[None, :], qt,
+                 mask=(cols[:, None] < N) & (rows[None, :] < M_PAD))
+
+
+# ----------------------------------------------------------------------------------------------- Triton kernels
+@triton.jit
+def _group_quant_kernel(x_ptr, q_ptr, e_ptr, partial_ptr, M, K,
+                        FP8_MAX: tl.constexpr, E5M2_OUT: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
+                        BM: tl.constexpr, BK: tl.constexpr):
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_k * BK + tl.arange(0, BK)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    q, e, _ = quantize_groups(x, BM, BK, FP8_MAX, E5M2_OUT)
+    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+    gcols = pid_k * (BK // 16) + tl.arange(0, BK // 16)
+    tl.store(e_ptr + rows[:, None] * (K // 16) + gcols[None, :], e.to(tl.uint8),
+             mask=(rows[:, None] < M) & (gcols[None, :] < K // 16))
+    if WRITE_PARTIAL:
+        tl.store(partial_ptr + pid_m * tl.num_programs(1) + pid_k, tile_amax(x, mask))
+
+
+@triton.jit
+def _group_dequant_kernel(q_ptr, e_ptr, y_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_k * BK + tl.arange(0, BK)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    q = tl.load(q_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0)
+    gcols = pid_k * (BK // 16) + tl.arange(0, BK // 16)
+    e = tl.load(e_ptr + rows[:, None] * (K // 16) + gcols[None, :],
+                mask=(rows[:, None] < M) & (gcols[None, :] < K // 16), other=127).to(tl.int32)
+    y = dequantize_groups(q, e, BM, BK)
+    tl.store(y_ptr + rows[:, None] * K + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _amax_partial_kernel(x_ptr, partial_ptr, N, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(partial_ptr + pid, tile_amax(x, mask))
+
+
+@triton.jit
+def _finalize_scale_kernel(partial_ptr, n, scale_ptr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)  # BLOCK >= n: one program reads every partial (the interpreter needs static loops)
+    p = tl.load(partial_ptr + offs, mask=offs < n, other=0.0)
+    m = tl.max(tl.where(p == p, p, 0.0))
+    scale = tl.where(m > 0, m / FP8_MAX, 1.0)
+    tl.store(scale_ptr, tl.where(tl.max((p != p).to(tl.int32)) > 0, float("nan"), scale))
+
+
+@triton.jit
+def _cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, M, N, M_PAD,
+                 WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr, E5M2_OUT: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    store_cast(x, rows.to(tl.int64), cols.to(tl.int64), tl.load(scale_ptr), out_ptr, out_t_ptr, M, N, M_PAD,
+               WRITE_ROW, WRITE_T, E5M2_OUT)
+
+
+# ------------------------------------------------------------------------------------------- torch references
+def encode_group_exponent_ref(amax: torch.Tensor, bad: torch.Tensor, fp8_max: float) -> torch.Tensor:
+    bits = (amax.float() / fp8_max).view(torch.int32)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).int()
+    e = torch.where(amax == 0, 127, e).clamp(1, 254)
+    return torch.where(bad, NO_SCALE, e).to(torch.uint8)
+
+
+def decode_group_exponent_ref(e: torch.Tensor) -> torch.Tensor:
+    e = e.int()
+    return torch.where(e == NO_SCALE, float("nan"), (e << 23).view(torch.float32))
+
+
+def group_quantize_ref(x, fmt="e4m3"):
+    fmt = get_format(fmt)
+    k = x.shape[-1]
+    check_group_dim(k)
+    x3 = x.float().reshape(*x.shape[:-1], k // GROUP, GROUP)
+    bad = ~torch.isfinite(x3).all(-1)
+    amax = x3.abs().nan_to_num(0.0, 0.0, 0.0).amax(-1)
+    e = encode_group_exponent_ref(amax, bad, fmt.max)
+    q = fmt.quantize(x3 / decode_group_exponent_ref(e)[..., None])
+    return q.reshape(x.shape), e
+
+
+def group_dequantize_ref(q, e, dtype=torch.bfloat16):
+    k = q.shape[-1]
+    q3 = q.float().reshape(*q.shape[:-1], k // GROUP, GROUP)
+    return (q3 * decode_group_exponent_ref(e)[..., None]).reshape(q.shape).to(dtype)
+
+
+def tensor_scale_ref(x, fmt="e4m3") -> torch.Tensor:
+    """fp32 0-dim per-tensor (dequantization) scale: amax / FP8_MAX; 1 if all zero; NaN if any Inf/NaN."""
+    fmt = get_format(fmt)
+    xf = x.float()
+    if xf.numel() == 0:
+        return torch.ones((), device=x.device)
+    amax = xf.abs().amax()
+    scale = torch.where(amax > 0, amax / fmt.max, torch.ones_like(amax))
+    return torch.where(torch.isfinite(xf).all(), scale, torch.full_like(scale, float("nan")))
+
+
+def cast_ref(x2d, scale, fmt="e4m3", write_row=True, write_t=False):
+    """Per-tensor cast of fp32-able x [M, N]: (q [M, N] or None, q_t [N, pad16(M)] or None)."""
+    fmt = get_format(fmt)
+    q = fmt.quantize(x2d.float() / scale)
+    q_t = None
+    if write_t:
+        m, n = q.shape
+        q_t = torch.zeros(n, pad16(m), dtype=fmt.dtype, device=q.device)
+        q_t[:, :m] = q.t()
+    return (q if write_row else None), q_t
+
+
+# ------------------------------------------------------------------------------------------------ public ops
+GQ_BM, GQ_BK = 32, 128
+CAST_BM, CAST_BN = 64, 128
+AMAX_BLOCK = 8192
+
+
+def group_quantize(x, fmt="e4m3", *, partial_amax=False, triton_kernels=None):
+    """x [..., K] -> (codes fp8 [..., K], exponents uint8 [..., K/16][, per-program amax partials])."""
+    fmt = get_format(fmt)
+    if not (use_triton(x) if triton_kernels is None else triton_kernels):
+        q, e = group_quantize_ref(x, fmt)
+        return (q, e, tensor_amax_partials_ref(x)) if partial_amax else (q, e)
+    k = x.shape[-1]
+    check_group_dim(k)
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    q = torch.empty(x2.shape, dtype=fmt.dtype, device=x.device)
+    e = torch.empty(m, k // GROUP, dtype=torch.uint8, device=x.device)
+    grid = (triton.cdiv(m, GQ_BM), triton.cdiv(k, GQ_BK))
+    partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
+    _group_quant_kernel[grid](x2, q, e, partial, m, k, FP8_MAX=fmt.max, E5M2_OUT=fmt is E5M2,
+                              WRITE_PARTIAL=partial_amax, BM=GQ_BM, BK=GQ_BK)
+    q, e = q.reshape(x.shape), e.reshape(*x.shape[:-1], k // GROUP)
+    return (q, e, partial) if partial_amax else (q, e)
+
+
+def group_dequantize(q, e, dtype=torch.bfloat16, *, triton_kernels=None):
+    if not (use_triton(q) if triton_kernels is None else triton_kernels):
+        return group_dequantize_ref(q, e, dtype)
+    k = q.shape[-1]
+    q2 = q.reshape(-1, k)
+    y = torch.empty(q2.shape, dtype=dtype, device=q.device)
+    grid = (triton.cdiv(q2.shape[0], GQ_BM), triton.cdiv(k, GQ_BK))
+    _group_dequant_kernel[grid](q2, e.reshape(-1, k // GROUP), y, q2.shape[0], k, BM=GQ_BM, BK=GQ_BK)
+    return y.reshape(q.shape)
+
+
+def tensor_amax_partials_ref(x):
+    xf = x.float()
+    amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
+    return torch.where(torch.isfinite(xf).all(), amax, torch.full_like(amax, float("nan"))).reshape(1)
+
+
+def amax_partials(x, *, triton_kernels=None):
+    """Stage 1 for a tensor no kernel of ours produced: one partial amax per block of the flat tensor."""
+    if not (use_triton(x) if triton_kernels is None else triton_kernels):
+        return tensor_amax_partials_ref(x)
+    x = x.contiguous()
+    n = x.numel()
+    partial = torch.empty(max(triton.cdiv(n, AMAX_BLOCK), 1), dtype=torch.float32, device=x.device)
+    if n == 0:
+        partial.zero_()
+        return partial
+    _amax_partial_kernel[(partial.numel(),)](x, partial, n, BLOCK=AMAX_BLOCK, num_warps=8)
+    return partial
+
+
+def finalize_scale(partial, fmt="e4m3", *, triton_kernels=None):
+    """Stage 2: the per-tensor dequantization scale (fp32 0-dim, on the device) from the partial amaxes."""
+    fmt = get_format(fmt)
+    if not (use_triton(partial) if triton_kernels is None else triton_kernels):
+        amax = partial.nan_to_num(0.0, 0.0, 0.0).amax()
+        scale = torch.where(amax > 0, amax / fmt.max, torch.ones_like(amax))
+        return torch.where(partial.isnan().any(), torch.full_like(scale, float("nan")), scale)
+    scale = torch.empty((), dtype=torch.float32, device=partial.device)
+    n = partial.numel()
+    _finalize_scale_kernel[(1,)](partial, n, scale, FP8_MAX=fmt.max, BLOCK=max(triton.next_power_of_2(n), 128),
+                                 num_warps=8)
+    return scale
+
+
+def tensor_scale(x, fmt="e4m3", *, triton_kernels=None):
+    return finalize_scale(amax_partials(x, triton_kernels=triton_kernels), fmt, triton_kernels=triton_kernels)
+
+
+def cast(x2d, scale, fmt="e4m3", *, write_row=True, write_t=False, triton_kernels=None):
+    """Divide-and-cast x [M, N] by a per-tensor scale: (q [M, N] | None, q_t [N, pad16(M)] | None)."""
+    fmt = get_format(fmt)
+    if not (use_triton(x2d) if triton_kernels is None else triton_kernels):
+        return cast_ref(x2d, scale, fmt, write_row, write_t)
+    x2d = x2d.contiguous()
+    m, n = x2d.shape
+    mp = pad16(m)
+    q = torch.empty(m, n, dtype=fmt.dtype, device=x2d.device) if write_row else None
+    q_t = torch.empty(n, mp, dtype=fmt.dtype, device=x2d.device) if write_t else None
+    grid = (triton.cdiv(mp if write_t else m, CAST_BM), triton.cdiv(n, CAST_BN))
+    _cast_kernel[grid](x2d, scale, q, q_t, m, n, mp, WRITE_ROW=write_row, WRITE_T=write_t,
+                       E5M2_OUT=fmt is E5M2, BM=CAST_BM, BN=CAST_BN, num_warps=8)
+    return q, q_t
+
+
+def quantize_tensor(x2d, fmt="e4m3", *, write_row=True, write_t=False, triton_kernels=None):
+    """Per-tensor FP8 of x [M, N]: amax partials, scale, cast. Returns (q, q_t, scale)."""
+    scale = tensor_scale(x2d, fmt, triton_kernels=triton_kernels)
+    q, q_t = cast(x2d, scale, fmt, write_row=write_row, write_t=write_t, triton_kernels=triton_kernels)
+    return q, q_t, scale
