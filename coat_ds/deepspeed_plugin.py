@@ -1,0 +1,79 @@
+"""CoatFP8AdamW as a DeepSpeed optimizer: `"optimizer": {"type": "CoatFP8AdamW", "params": {...}}` in ds_config.
+
+DeepSpeed 0.19.8 has no optimizer registry: for a `type` it does not know it builds `getattr(torch.optim, type)`
+with the config params as keywords, and ZeRO accepts only optimizers listed in
+`deepspeed.runtime.zero.utils.ZERO_SUPPORTED_OPTIMIZERS` (else it asks for `zero_allow_untested_optimizer`).
+`register_with_deepspeed()` adds CoatFP8AdamW to both, and makes the engine refuse, at `deepspeed.initialize`,
+the modes that cannot carry FP8 states (elastic checkpoints, NVMe optimizer swap).
+"""
+from __future__ import annotations
+
+import torch
+
+from .optimizer import CoatFP8AdamW
+
+OPTIMIZER_NAME = "CoatFP8AdamW"
+
+
+def register_with_deepspeed() -> None:
+    """Idempotent. Needs deepspeed importable (it is imported here)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero import utils as zero_utils
+
+    existing = getattr(torch.optim, OPTIMIZER_NAME, None)
+    if existing is not None and existing is not CoatFP8AdamW:
+        raise RuntimeError(f"torch.optim.{OPTIMIZER_NAME} is already {existing!r}; not replacing it")
+    setattr(torch.optim, OPTIMIZER_NAME, CoatFP8AdamW)
+    if CoatFP8AdamW not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
+        zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(CoatFP8AdamW)
+    _guard_engine_config(DeepSpeedEngine)
+
+
+def check_engine_config(engine) -> None:
+    """Raise ValueError for DeepSpeed modes that cannot hold CoatFP8AdamW's FP8 states."""
+    stage = engine.zero_optimization_stage()
+    if stage in (1, 2) and engine.zero_elastic_checkpoint():
+        raise ValueError(
+            "CoatFP8AdamW does not support zero_optimization.elastic_checkpoint=true: elastic checkpoints slice every "
+            "state tensor as if it were elementwise, which corrupts FP8 codes and per-group scales (and DeepSpeed "
+            "0.19.8's elastic load is broken for every optimizer). Remove the option: same-DP-size checkpoints resume "
+            "exactly, and `python -m coat_ds.to_universal` converts a checkpoint for a different DP size.")
+    if engine.zero_nvme_offload_optimizer():
+        raise ValueError(
+            "CoatFP8AdamW does not support zero_optimization.offload_optimizer.device=nvme: DeepSpeed's optimizer "
+            "swapper assumes every state tensor has the parameter's numel and dtype. Use \"device\": \"cpu\" (the step "
+            "then runs on the CPU reference path) or no optimizer offload.")
+
+
+def _guard_engine_config(engine_cls) -> None:
+    """Run check_engine_config when the engine picks the ZeRO/bf16 wrapper for a CoatFP8AdamW (before it is built)."""
+    original = engine_cls._do_optimizer_sanity_check
+    if getattr(original, "_coat_guard", False):
+        return
+
+    def _do_optimizer_sanity_check(self, basic_optimizer):
+        if isinstance(basic_optimizer, CoatFP8AdamW):
+            check_engine_config(self)
+        return original(self, basic_optimizer)
+
+    _do_optimizer_sanity_check._coat_guard = True
+    _do_optimizer_sanity_check.__wrapped__ = original
+    engine_cls._do_optimizer_sanity_check = _do_optimizer_sanity_check
+
+
+def inner_optimizer(engine) -> torch.optim.Optimizer:
+    """The torch optimizer DeepSpeed built from the config (inside any ZeRO/bf16 wrapper)."""
+    return engine.basic_optimizer
+
+
+def optimizer_state_report(engine) -> dict:
+    """This rank's optimizer-state bytes (moments and their metadata) against the numel it steps."""
+    opt = inner_optimizer(engine)
+    if isinstance(opt, CoatFP8AdamW):
+        state_bytes = opt.state_bytes()
+    else:
+        state_bytes = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                          if torch.is_tensor(t))
+    numel = sum(p.numel() for p in opt.state)
+    return {"optimizer": type(opt).__name__, "state_bytes": state_bytes, "stepped_numel": numel,
+            "bytes_per_element": state_bytes / max(numel, 1)}
