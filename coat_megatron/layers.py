@@ -34,14 +34,33 @@ def _param_device(config):
     return torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
 
 
+_weight_generation = None
+
+
+def set_weight_generation(fn) -> None:
+    """`fn()` -> a hashable key that changes whenever the weights may have changed (e.g. the training iteration).
+
+    The blocks' WeightCache notices in-place updates through `weight._version`, but Megatron's mixed-precision
+    optimizers write the BF16 weights through `.data` (and NCCL param all-gathers), which does not bump it.
+    Without a generation source (the default) every forward re-quantizes its weight; the launcher installs
+    (iteration, grad mode) so micro-batches of one step share one FP8 weight.
+    """
+    global _weight_generation
+    _weight_generation = fn
+
+
 class _WeightCacheMixin:
-    """One FP8 copy of `weight` per optimizer step, shared by the micro-batches of that step."""
+    """One FP8 copy of `weight` per weight generation, shared by the micro-batches of an optimizer step."""
 
     def weight_cache(self):
         cache = self.__dict__.get("_coat_weight_cache")
         if cache is None:
             cache = _blocks().WeightCache()
             self.__dict__["_coat_weight_cache"] = cache
+        generation = None if _weight_generation is None else _weight_generation()
+        if generation is None or generation != self.__dict__.get("_coat_weight_generation"):
+            cache.invalidate()
+            self.__dict__["_coat_weight_generation"] = generation
         return cache
 
 

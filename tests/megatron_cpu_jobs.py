@@ -153,6 +153,19 @@ def compare(tp, sp=False):
                   "grads_full": full_grads(coat)}
 
 
+def weights_written_through_data(coat):
+    """Megatron's optimizers write BF16 weights through `.data` (no `_version` bump): the next forward must use them.
+    `coat` holds the weights of a fresh local model (compare() copied them and took no step)."""
+    local = build("local", make_config(1))
+    tokens, pos, mask, labels = batch(2)
+    loss = lambda m: m(tokens, pos, mask, labels=labels).float().mean().item()  # noqa: E731
+    with torch.no_grad():
+        before = loss(coat)  # fills the FP8 weight caches
+        for p in list(coat.parameters()) + list(local.parameters()):
+            p.data.mul_(0.5)
+        return {"before": before, "coat": loss(coat), "local": loss(local)}
+
+
 def saved_tensor_census(model):
     """Tensors saved for backward by each COAT block of layer 0, by dtype (parameters excluded)."""
     layer = model.decoder.layers[0]
@@ -245,6 +258,7 @@ def worker(rank, world, out_dir, port):
     res["spec"] = {name: type(m).__name__ for name, m in coat_tp1.named_modules()
                    if name.startswith("decoder.layers.0.") and name.count(".") == 4 or name == "decoder.final_layernorm"}
     res["param_names"] = sorted(n for n, _ in coat_tp1.named_parameters() if n.startswith("decoder.layers.0."))
+    res["data_update"] = weights_written_through_data(coat_tp1)
     res["saved"] = saved_tensor_census(coat_tp1)
     res["saved_local"] = saved_tensor_census_local()
     _, res["tp2"] = compare(2)

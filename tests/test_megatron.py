@@ -13,6 +13,7 @@ import sys
 import pytest
 
 pytest.importorskip("megatron.core")
+pytest.importorskip("coat_kernels.blocks", reason="the shared FP8 blocks (issue 4) are not in this checkout yet")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # FP8 (E4M3 activations/weights, E5M2 gradients) against BF16 on a tiny 2-layer GPT.
@@ -60,6 +61,12 @@ def test_forward_backward_matches_local_bf16(job, phase):
         worst = max(r["grad_rel_err"], key=r["grad_rel_err"].get)
         assert r["grad_rel_err"][worst] < GRAD_REL_TOL, (worst, r["grad_rel_err"][worst])
         assert len(r["grad_rel_err"]) == 2 + 6 * 2 + 1  # embedding, output layer, 2 layers x 6, final norm
+
+
+def test_forward_sees_weights_written_through_data(job):
+    r = job[0]["data_update"]
+    # Stale cached FP8 weights would leave the COAT loss at `before`.
+    assert abs(r["coat"] - r["local"]) < 0.1 * abs(r["local"] - r["before"]), r
 
 
 def test_sequence_parallel_matches_tensor_parallel(job):
