@@ -1,0 +1,86 @@
+"""Convert a DeepSpeed checkpoint holding CoatFP8AdamW states into a Universal Checkpoint (to change the DP size).
+
+DeepSpeed's `ds_to_universal` reads fp32 elementwise `exp_avg` / `exp_avg_sq` from every optimizer shard. This
+tool copies the checkpoint tag folder, replaces each compact CoatFP8AdamW state entry (FP8 codes + per-group
+metadata + segments) by its dequantized fp32 moments, runs DeepSpeed's converter on the copy and deletes it. Load
+the result with `"checkpoint": {"load_universal": true}`; CoatFP8AdamW re-quantizes the moments at its next step,
+with the groups of the new partition layout.
+
+    python -m coat_ds.to_universal --input_folder ckpt/global_step100 --output_folder ckpt/global_step100_universal
+
+Other arguments are DeepSpeed's (`--num_extract_workers`, `--inject_missing_state`, ...). Checkpoints without
+CoatFP8AdamW states go through unchanged.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+
+from .optimizer import dequantize_state_entry
+
+
+def expand_states(obj, found: list | None = None):
+    """Replace, anywhere in a nested checkpoint object, each CoatFP8AdamW entry by {step, exp_avg, exp_avg_sq}.
+
+    Appends one item to `found` per entry replaced."""
+    found = [] if found is None else found
+    if isinstance(obj, dict):
+        if "exp_avg_q" in obj and "segments" in obj:
+            found.append(1)
+            return {"step": obj["step"], **dequantize_state_entry(obj)}
+        return {k: expand_states(v, found) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(expand_states(v, found) for v in obj)
+    return obj
+
+
+def dequantized_copy(input_folder: str, work_dir: str) -> tuple[str, int]:
+    """A copy of the tag folder with fp32 moments in every optimizer shard; returns (copy, shards rewritten)."""
+    copy = os.path.join(work_dir, os.path.basename(os.path.normpath(input_folder)))
+    shutil.copytree(input_folder, copy)
+    rewritten = 0
+    for name in sorted(os.listdir(copy)):
+        if not name.endswith("optim_states.pt"):
+            continue
+        path = os.path.join(copy, name)
+        shard = torch.load(path, map_location="cpu", weights_only=False)
+        found = []
+        converted = expand_states(shard, found)
+        if found:
+            torch.save(converted, path)
+            rewritten += 1
+    return copy, rewritten
+
+
+def convert(input_folder: str, output_folder: str, ds_args: list[str] = ()) -> None:
+    from deepspeed.checkpoint import ds_to_universal
+
+    parent = os.path.dirname(os.path.abspath(output_folder))
+    os.makedirs(parent, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=parent, prefix=".coat_dequantized_") as work:
+        copy, rewritten = dequantized_copy(input_folder, work)
+        print(f"coat_ds.to_universal: dequantized CoatFP8AdamW states in {rewritten} optimizer shard(s)")
+        argv = sys.argv
+        try:
+            sys.argv = ["ds_to_universal", "--input_folder", copy, "--output_folder", output_folder, *ds_args]
+            args = ds_to_universal.parse_arguments()
+        finally:
+            sys.argv = argv
+        ds_to_universal.main(args)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input_folder", required=True, help="checkpoint tag folder (holds *_optim_states.pt)")
+    parser.add_argument("--output_folder", required=True, help="universal checkpoint tag folder to create")
+    args, ds_args = parser.parse_known_args(argv)
+    convert(args.input_folder, args.output_folder, ds_args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Multi-rank DeepSpeed jobs run by tests/test_deepspeed.py (each function is one rank's body; asserts inside).
+
+Kept out of the test module so that spawned workers import only this file, ds_helpers and what they need.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+import ds_helpers as H
+
+STEPS = 4
+EXACT_STEPS = 2  # with bit-identical gradients, states away from cut points are identical up to this step; after
+# it the weights in cut groups differ (they were updated from differently grouped moments), and so do all gradients
+GROUP = 128
+
+
+# ---- reference: CoatFP8AdamW without DeepSpeed ---------------------------------------------------------------
+def reference_run(dtype: str, steps: int, ranks: int = 1, zero_step_first: bool = False):
+    """Single-process run on the same global batch. bf16: bf16 model, fp32 masters (what DeepSpeed keeps).
+
+    Returns losses (mean of the per-rank micro-batch losses) and, after step EXACT_STEPS and after the last step,
+    the fp32 weights and dequantized moments per param."""
+    from coat_ds import CoatFP8AdamW
+
+    model = H.make_model()
+    tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    model = model.to(tdt)
+    params = list(model.parameters())
+    masters = [p.detach().float().clone().requires_grad_() for p in params]
+    opt = CoatFP8AdamW(masters, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    if zero_step_first:  # FP16_UnfusedOptimizer runs one zero-gradient step at construction
+        for m in masters:
+            m.grad = torch.zeros_like(m)
+        opt.step()
+        for p, m in zip(params, masters):
+            p.data.copy_(m)
+    losses, snapshots = [], {}
+    for step in range(steps):
+        for p in params:
+            p.grad = None
+        total = 0.0
+        for r in range(ranks):
+            loss = model(*H.batch(step, r, tdt)) / ranks
+            loss.backward()
+            total += loss.item()
+        for p, m in zip(params, masters):
+            m.grad = p.grad.float()
+        opt.step()
+        for p, m in zip(params, masters):
+            p.data.copy_(m)
+        losses.append(total)
+        if step + 1 in (EXACT_STEPS, steps):
+            snapshots[step + 1] = ([m.detach().clone() for m in masters], [opt.dequantized_state(m) for m in masters])
+    return losses, snapshots
+
+
+# ---- what the DeepSpeed run holds -----------------------------------------------------------------------------
+def gathered_moments(engine, numels, stage):
+    """Full per-parameter fp32 moments, assembled from every rank's flat state through the expected layout."""
+    import deepspeed.comm as dist
+
+    opt = engine.basic_optimizer
+    (flat, state), = opt.state.items()
+    deq = opt.dequantized_state(flat)
+    local = torch.stack([deq["exp_avg"], deq["exp_avg_sq"]])
+    world = dist.get_world_size()
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local)
+    full = [torch.full((2, n), float("nan")) for n in numels]
+    for r in range(world):
+        for idx, fs, n, po in H.indexed_segments(numels, stage, r, world):
+            full[idx][:, po:po + n] = parts[r][:, fs:fs + n]
+    return [{"exp_avg": f[0], "exp_avg_sq": f[1]} for f in full]
+
+
+def cut_groups_mask(numel, stage, world, idx, numels):
+    """Elements of param `idx` whose group (on the param's own grid) is split by a partition edge."""
+    mask = torch.zeros(numel, dtype=torch.bool)
+    for r in range(world):
+        for i, _, n, po in H.indexed_segments(numels, stage, r, world):
+            if i != idx:
+                continue
+            for edge in (po, po + n):
+                if edge % GROUP and edge != numel:
+                    g = edge // GROUP * GROUP
+                    mask[g:g + GROUP] = True
+    return mask
+
+
+def check_segments_and_groups(engine, numels, stage, rank, world, label):
+    from coat_kernels.grouping import build_layout
+
+    opt = engine.basic_optimizer
+    (flat, state), = opt.state.items()
+    segments = [tuple(s) for s in state["segments"].tolist()]
+    expected = H.expected_segments(numels, stage, rank, world)
+    assert segments == expected, f"{label}: segments {segments} != DeepSpeed layout {expected}"
+    layout = build_layout(state["segments"], flat.numel(), GROUP)
+    starts, lengths = layout.group_bounds()
+    for s, n in zip(starts.tolist(), lengths.tolist()):
+        owner = [seg for seg in segments if seg[0] <= s and s + n <= seg[0] + seg[1]]
+        assert len(owner) == 1, f"{label}: group [{s}, {s + n}) straddles segments {segments}"
+        fs, _, po = owner[0]
+        assert (po + s - fs) % GROUP == 0 or s == fs, f"{label}: group at {s} is off its parameter's grid"
+    return segments
+
+
+# ---- job 1: ZeRO stages against the single-process reference ---------------------------------------------------
+def stages_worker(rank, world, port, out_dir):
+    H.start_rank(rank, world, port)
+    import deepspeed
+    import coat_ds
+    from coat_ds.deepspeed_plugin import optimizer_state_report
+
+    numels = [p.numel() for p in H.make_model().parameters()]
+    refs = {}
+    cases = [  # (stage, dtype, extra config, wrapper class, same data on every rank)
+        (1, "fp32", {}, "DeepSpeedZeroOptimizer", True),
+        (2, "fp32", {}, "DeepSpeedZeroOptimizer", True),
+        (3, "fp32", {}, "DeepSpeedZeroOptimizer_Stage3", True),
+        (1, "bf16", {}, "DeepSpeedZeroOptimizer", True),
+        (2, "bf16", {}, "DeepSpeedZeroOptimizer", True),
+        (3, "bf16", {}, "DeepSpeedZeroOptimizer_Stage3", True),
+        (1, "bf16", {"data_types": {"grad_accum_dtype": "fp32"}}, "BF16_Optimizer", True),
+        (0, "bf16", {}, "FP16_UnfusedOptimizer", True),
+        (2, "fp32", {}, "DeepSpeedZeroOptimizer", False),
+    ]
+    report = []
+    for stage, dtype, extra, wrapper, same_data in cases:
+        label = f"stage {stage} {dtype} {wrapper}{'' if same_data else ' per-rank data'}"
+        tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
+        engine, *_ = deepspeed.initialize(model=H.make_model(), config=H.ds_config(stage, dtype, **extra))
+        assert type(engine.basic_optimizer) is coat_ds.CoatFP8AdamW, label
+        assert type(engine.optimizer).__name__ == wrapper, (label, type(engine.optimizer).__name__)
+        key = (dtype, same_data, stage == 0)
+        if key not in refs:
+            refs[key] = reference_run(dtype, STEPS, ranks=1 if same_data else world, zero_step_first=stage == 0)
+        ref_losses, ref_snapshots = refs[key]
+        losses = []
+        for step in range(STEPS):
+            loss = engine(*H.batch(step, 0 if same_data else rank, tdt))
+            engine.backward(loss)
+            engine.step()
+            mean_loss = loss.detach().float().clone()
+            deepspeed.comm.all_reduce(mean_loss)
+            losses.append(mean_loss.item() / world)
+            if step + 1 in ref_snapshots:
+                exact = dtype == "fp32" and same_data and step + 1 == EXACT_STEPS
+                compare_with_reference(engine, stage, dtype, numels, rank, world, ref_snapshots[step + 1], exact,
+                                       f"{label} step {step + 1}")
+        loss_tol = 2e-2 if dtype == "bf16" else 5e-3
+        for a, b in zip(losses, ref_losses):
+            assert abs(a - b) <= loss_tol * abs(b), f"{label}: losses {losses} vs single-process {ref_losses}"
+        rep = optimizer_state_report(engine)
+        assert 2.0 <= rep["bytes_per_element"] <= 2.6, (label, rep)
+        report.append((label, losses[-1], rep["state_bytes"], rep["stepped_numel"]))
+        del engine
+    if rank == 0:
+        with open(os.path.join(out_dir, "stages.txt"), "w") as f:
+            f.writelines(f"{r}\n" for r in report)
+
+
+def compare_with_reference(engine, stage, dtype, numels, rank, world, snapshot, exact, label):
+    import deepspeed
+
+    ref_weights, ref_moments = snapshot
+    if stage == 0:
+        opt = engine.basic_optimizer
+        weights = [m.detach() for m in opt.param_groups[0]["params"]]
+        moments = [opt.dequantized_state(m) for m in opt.param_groups[0]["params"]]
+        assert all(s["segments"].tolist() == [[0, n, 0]] for s, n in zip(opt.state.values(), numels)), label
+    else:
+        segments = check_segments_and_groups(engine, numels, stage, rank, world, label)
+        if stage in (1, 2) and rank == 1:
+            assert any(po % GROUP for _, _, po in segments), f"{label}: no cut point inside a parameter"
+        weights = [deepspeed.utils.safe_get_full_fp32_param(p).float() for p in engine.module.parameters()]
+        moments = gathered_moments(engine, numels, stage)
+    for idx, (w, rw, m, rm) in enumerate(zip(weights, ref_weights, moments, ref_moments)):
+        assert torch.allclose(w.view(-1), rw.view(-1), atol=3e-3 if dtype == "bf16" else 1e-3, rtol=0), \
+            f"{label}: param {idx} max |dw| {(w.view(-1) - rw.view(-1)).abs().max()}"
+        if stage:
+            cut = cut_groups_mask(numels[idx], stage, world, idx, numels)
+        else:
+            cut = torch.zeros(numels[idx], dtype=torch.bool)
+        for key_m in ("exp_avg", "exp_avg_sq"):
+            a, b = m[key_m].view(-1), rm[key_m].view(-1)
+            assert torch.isfinite(a).all(), f"{label}: non-finite {key_m} in param {idx}"
+            scale = b.abs().max().clamp_min(1e-30)
+            assert ((a - b).abs() <= 0.15 * scale).all(), f"{label}: {key_m} of param {idx} off by " \
+                f"{((a - b).abs() / scale).max():.3f} of its max"
+            if exact:  # bit-identical gradients: groups away from cut points hold identical states
+                diff = (a[~cut] != b[~cut]).nonzero().view(-1)
+                assert diff.numel() == 0, f"{label}: {key_m} of param {idx} differs away from cuts at " \
+                    f"{diff[:8].tolist()} of {int((~cut).sum())}: {a[~cut][diff[:4]].tolist()} vs " \
+                    f"{b[~cut][diff[:4]].tolist()}"
+            if exact and cut.any():
+                assert not torch.equal(a[cut], b[cut]), f"{label}: cut groups identical (test not sensitive)"
