@@ -38,7 +38,8 @@ def check_engine_config(engine) -> None:
             "state tensor as if it were elementwise, which corrupts FP8 codes and per-group scales (and DeepSpeed "
             "0.19.8's elastic load is broken for every optimizer). Remove the option: same-DP-size checkpoints resume "
             "exactly, and `python -m coat_ds.to_universal` converts a checkpoint for a different DP size.")
-    if engine.zero_nvme_offload_optimizer():
+    offload = engine.zero_offload_optimizer()
+    if offload is not None and str(getattr(offload.device, "value", offload.device)) == "nvme":
         raise ValueError(
             "CoatFP8AdamW does not support zero_optimization.offload_optimizer.device=nvme: DeepSpeed's optimizer "
             "swapper assumes every state tensor has the parameter's numel and dtype. Use \"device\": \"cpu\" (the step "

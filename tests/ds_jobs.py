@@ -197,3 +197,202 @@ def compare_with_reference(engine, stage, dtype, numels, rank, world, snapshot, 
                     f"{b[~cut][diff[:4]].tolist()}"
             if exact and cut.any():
                 assert not torch.equal(a[cut], b[cut]), f"{label}: cut groups identical (test not sensitive)"
+
+
+# ---- job 2: same-DP checkpoints, NaN/Inf gradients (2 ranks) --------------------------------------------------
+def flat_state(engine):
+    """(flat fp32 tensor, its CoatFP8AdamW state entry) of this rank (one param group)."""
+    (flat, state), = engine.basic_optimizer.state.items()
+    return flat, state
+
+
+def clone_state(state):
+    return {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+
+
+def full_snapshot(engine, numels, stage):
+    """Collective: full fp32 weights and dequantized moments per param, for comparisons in other jobs."""
+    import deepspeed
+
+    weights = [deepspeed.utils.safe_get_full_fp32_param(p).float().clone() for p in engine.module.parameters()]
+    return {"weights": weights, "moments": gathered_moments(engine, numels, stage)}
+
+
+def train(engine, steps, rank, tdt, first=0):
+    losses = []
+    for step in range(first, first + steps):
+        loss = engine(*H.batch(step, rank, tdt))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def checkpoint_worker(rank, world, port, ck_dir):
+    H.start_rank(rank, world, port)
+    import deepspeed
+    import coat_ds  # noqa: F401
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+    numels = [p.numel() for p in H.make_model().parameters()]
+    for stage, dtype in ((2, "bf16"), (3, "fp32")):
+        tag, tdt = f"z{stage}_{dtype}", torch.bfloat16 if dtype == "bf16" else torch.float32
+        e1, *_ = deepspeed.initialize(model=H.make_model(0), config=H.ds_config(stage, dtype))
+        train(e1, 3, rank, tdt)
+        e1.save_checkpoint(ck_dir, tag=tag, client_state={UNIVERSAL_CHECKPOINT_INFO: {}})
+        flat, state = flat_state(e1)
+        saved_flat, saved_state = flat.detach().clone(), clone_state(state)
+        snapshot = full_snapshot(e1, numels, stage)
+        loss_next = train(e1, 1, rank, tdt, first=3)[0]
+        flat, state = flat_state(e1)
+        after_flat, after_state = flat.detach().clone(), clone_state(state)
+        if rank == 0:
+            torch.save({**snapshot, "next_loss_rank0": loss_next}, os.path.join(ck_dir, f"{tag}_expected.pt"))
+
+        e2, *_ = deepspeed.initialize(model=H.make_model(1), config=H.ds_config(stage, dtype))
+        e2.load_checkpoint(ck_dir, tag=tag)
+        flat, state = flat_state(e2)
+        assert torch.equal(flat, saved_flat), f"{tag}: fp32 partition differs after load"
+        assert state["exp_avg_q"].dtype == torch.float8_e4m3fn, state["exp_avg_q"].dtype
+        assert not H.states_equal(state, saved_state), f"{tag}: {H.states_equal(state, saved_state)} differ after load"
+        assert float(state["step"]) == 3.0
+        assert train(e2, 1, rank, tdt, first=3)[0] == loss_next, f"{tag}: next loss differs after load"
+        flat, state = flat_state(e2)
+        assert torch.equal(flat, after_flat) and not H.states_equal(state, after_state), f"{tag}: next step differs"
+        for p1, p2 in zip(e1.module.parameters(), e2.module.parameters()):
+            assert stage == 3 or torch.equal(p1, p2), f"{tag}: module weights differ"
+        del e1, e2
+
+    nonfinite_gradients(rank, tdt=torch.bfloat16)
+
+
+def nonfinite_gradients(rank, tdt):
+    """bf16 ZeRO-2. By default (bf16.check_grad_overflow=true) DeepSpeed sees the overflow and skips the whole step:
+    the optimizer is not called. With check_grad_overflow=false and compute_grad_norm=false the NaN/Inf reaches
+    CoatFP8AdamW: the groups holding them keep params and moments (nonfinite="skip_group"), the others step."""
+    import deepspeed
+
+    numels = [p.numel() for p in H.make_model().parameters()]
+    bad = (5, 700)  # groups 0 and 5 of the first weight (960 elements, all in rank 0's partition)
+    for ds_checks in (True, False):
+        config = H.ds_config(2, "bf16", clip=1.0 if ds_checks else 0.0,
+                             zero_optimization={"compute_grad_norm": ds_checks},
+                             bf16={"check_grad_overflow": ds_checks})
+        engine, *_ = deepspeed.initialize(model=H.make_model(0), config=config)
+        train(engine, 2, rank, tdt)
+        if rank == 0:
+            def poison(grad):
+                grad = grad.clone()
+                grad.view(-1)[bad[0]], grad.view(-1)[bad[1]] = float("nan"), float("inf")
+                return grad
+            hook = next(engine.module.parameters()).register_hook(poison)
+        flat, state = flat_state(engine)
+        before_flat, before_state = flat.detach().clone(), clone_state(state)
+        before = engine.basic_optimizer.dequantized_state(flat)
+        train(engine, 1, rank, tdt, first=2)
+        if rank == 0:
+            hook.remove()
+        flat, state = flat_state(engine)
+        label = f"DeepSpeed overflow checks {ds_checks}, rank {rank}"
+        if ds_checks:
+            assert engine.skipped_steps == 1 and float(state["step"]) == 2.0, label
+            assert torch.equal(flat, before_flat) and not H.states_equal(state, before_state), label
+        else:
+            after = engine.basic_optimizer.dequantized_state(flat)
+            assert torch.isfinite(flat).all() and all(torch.isfinite(t).all() for t in after.values()), label
+            frozen = torch.zeros(flat.numel(), dtype=torch.bool)
+            if rank == 0:
+                for i in bad:
+                    frozen[i // GROUP * GROUP:(i // GROUP + 1) * GROUP] = True
+            assert torch.equal(flat[frozen], before_flat[frozen]), f"{label}: params of NaN/Inf groups changed"
+            for key in after:
+                assert torch.equal(after[key][frozen], before[key][frozen]), f"{label}: {key} of NaN/Inf groups changed"
+            segments = H.expected_segments(numels, 2, rank, 2)
+            live = ~frozen
+            live[segments[-1][0] + segments[-1][1]:] = False  # padding
+            changed = (flat[live] != before_flat[live]).float().mean()
+            assert changed > 0.9, f"{label}: only {changed:.3f} of the finite groups stepped"
+            assert engine.basic_optimizer.skipped_groups == (2 if rank == 0 else 0), label
+        train(engine, 1, rank, tdt, first=3)  # training goes on
+        assert torch.isfinite(flat_state(engine)[0]).all(), label
+        del engine
+
+
+# ---- job 3: one rank: universal load 2 -> 1, save for 1 -> 2, bad configs, the callable route -----------------
+def one_rank_worker(rank, world, port, ck_dir):
+    H.start_rank(rank, world, port)
+    import deepspeed
+    import coat_ds
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+    numels = [p.numel() for p in H.make_model().parameters()]
+    engine = load_universal_and_check(ck_dir, "z2_bf16_universal", "z2_bf16_expected.pt", numels, rank, world,
+                                      next_step=3)
+    engine.save_checkpoint(ck_dir, tag="dp1", client_state={UNIVERSAL_CHECKPOINT_INFO: {}})
+    snapshot = full_snapshot(engine, numels, 2)
+    next_losses = [engine(*H.batch(4, r, torch.bfloat16)).item() for r in range(2)]
+    torch.save({**snapshot, "next_losses": next_losses}, os.path.join(ck_dir, "dp1_expected.pt"))
+    del engine
+
+    bad_configs(ck_dir)
+    client_callable = deepspeed.initialize(
+        model=H.make_model(), config={k: v for k, v in H.ds_config(2, "fp32").items() if k != "optimizer"},
+        optimizer=lambda params: coat_ds.CoatFP8AdamW(params, lr=1e-2))[0]
+    train(client_callable, 2, rank, torch.float32)
+    assert float(flat_state(client_callable)[1]["step"]) == 2.0
+
+
+def load_universal_and_check(ck_dir, tag, expected_file, numels, rank, world, next_step):
+    """Load a universal checkpoint into a ZeRO-2 bf16 engine of `world` ranks and check it against the saved run:
+    fp32 weights and (fp32) moments exact, the next loss exact; then one step re-quantizes the moments."""
+    import deepspeed
+
+    expected = torch.load(os.path.join(ck_dir, expected_file), weights_only=False)
+    engine, *_ = deepspeed.initialize(model=H.make_model(7),
+                                      config=H.ds_config(2, "bf16", checkpoint={"load_universal": True}))
+    engine.load_checkpoint(ck_dir, tag=tag)
+    for idx, p in enumerate(engine.module.parameters()):
+        assert torch.equal(deepspeed.utils.safe_get_full_fp32_param(p).float(), expected["weights"][idx]), idx
+    flat, state = flat_state(engine)
+    assert state["exp_avg"].dtype == torch.float32 and float(state["step"]) == next_step, sorted(state)
+    for idx, fs, n, po in H.indexed_segments(numels, 2, rank, world):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[key][fs:fs + n], expected["moments"][idx][key][po:po + n]), (key, idx)
+    loss = engine(*H.batch(next_step, rank, torch.bfloat16))
+    want = expected["next_loss_rank0"] if "next_loss_rank0" in expected else expected["next_losses"][rank]
+    assert loss.item() == want, (loss.item(), want)
+    engine.backward(loss)
+    engine.step()
+    flat, state = flat_state(engine)
+    assert "exp_avg" not in state and state["exp_avg_q"].dtype == torch.float8_e4m3fn, sorted(state)
+    assert state["segments"].tolist() == [list(s) for s in H.expected_segments(numels, 2, rank, world)]
+    assert float(state["step"]) == next_step + 1 and torch.isfinite(flat).all()
+    return engine
+
+
+def bad_configs(tmp_dir):
+    import deepspeed
+
+    def fails(config, *needles):
+        try:
+            deepspeed.initialize(model=H.make_model(), config=config)
+        except Exception as exc:  # noqa: BLE001 - the message is what is checked
+            text = f"{type(exc).__name__}: {exc}"
+            assert all(n in text for n in needles), text
+            return
+        raise AssertionError(f"no error for {config}")
+
+    unknown = H.ds_config(2, "fp32")
+    unknown["optimizer"]["params"]["max_grad_nrom"] = 1.0
+    fails(unknown, "ValueError", "max_grad_nrom", "valid options", "exp_avg_format")
+    bad_value = H.ds_config(2, "fp32")
+    bad_value["optimizer"]["params"]["exp_avg_format"] = "e3m4"
+    fails(bad_value, "e3m4")
+    fails(H.ds_config(2, "bf16", zero_optimization={"elastic_checkpoint": True}), "ValueError", "elastic_checkpoint")
+    for stage in (2, 3):
+        fails(H.ds_config(stage, "bf16", zero_optimization={"offload_optimizer": {"device": "nvme",
+                                                                                  "nvme_path": tmp_dir}}),
+              "ValueError", "nvme")
+    lower_case = H.ds_config(2, "fp32")
+    lower_case["optimizer"]["type"] = "coatfp8adamw"
+    fails(lower_case, "not a supported DeepSpeed Optimizer")

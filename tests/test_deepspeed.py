@@ -4,10 +4,12 @@ Each test spawns fresh rank processes (tests/ds_jobs.py); many assertions share 
 DeepSpeed costs ~10 s per process on CI's 2 cores.
 """
 import os
+import subprocess
 import sys
 import warnings
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 pytest.importorskip("deepspeed")
@@ -25,3 +27,42 @@ def test_zero_stages_match_single_process(tmp_path):
     losses / weights / moments within FP8 tolerance, ~2.2 bytes of state per element."""
     mp.spawn(ds_jobs.stages_worker, args=(2, H.free_port(), str(tmp_path)), nprocs=2, join=True)
     assert (tmp_path / "stages.txt").read_text().count("\n") == 9
+
+
+def test_checkpoints_nonfinite_and_resharding(tmp_path):
+    """Same-DP save/load bit-exact (ZeRO-2 bf16, ZeRO-3 fp32); NaN/Inf gradients (bf16 groups skipped, fp16 step
+    skipped by the loss scaler); zero_to_fp32; DP 2 -> 1 -> 2 through coat_ds.to_universal."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    mp.spawn(ds_jobs.checkpoint_worker, args=(2, H.free_port(), str(ck)), nprocs=2, join=True)
+    check_zero_to_fp32(ck)
+    to_universal(ck / "z2_bf16", ck / "z2_bf16_universal")
+    mp.spawn(ds_jobs.one_rank_worker, args=(1, H.free_port(), str(ck)), nprocs=1, join=True)
+    to_universal(ck / "dp1", ck / "dp1_universal")
+    # a script that never imports coat_ds, under torchrun: registration by the .pth hook, CPU offload, DP 1 -> 2
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(H.free_port()),
+         os.path.join(HERE, "ds_registration_script.py"), str(ck)], expect="DP 1 -> 2 OK")
+
+
+def run(cmd, expect):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and expect in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def to_universal(tag_dir, out_dir):
+    run([sys.executable, "-m", "coat_ds.to_universal", "--input_folder", str(tag_dir), "--output_folder",
+         str(out_dir), "--num_extract_workers", "1", "--num_merge_workers", "1"], expect="dequantized")
+    assert (out_dir / "zero").is_dir()
+
+
+def check_zero_to_fp32(ck):
+    """DeepSpeed's zero_to_fp32 still recovers the fp32 weights from checkpoints holding FP8 states."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    for tag in ("z2_bf16", "z3_fp32"):
+        expected = torch.load(ck / f"{tag}_expected.pt", weights_only=False)["weights"]
+        recovered = get_fp32_state_dict_from_zero_checkpoint(str(ck), tag=tag)
+        assert list(recovered) == [n for n, _ in H.make_model().named_parameters()]
+        for got, want in zip(recovered.values(), expected):
+            assert torch.equal(got.float().view(-1), want.view(-1)), tag
