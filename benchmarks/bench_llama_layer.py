@@ -294,6 +294,64 @@ def run_variants(variants, x, params, iters, rows):
         torch.cuda.empty_cache()
 
 
+def sweep(dev):
+    """Tile/warp choices of the main memory-bound kernels (best first); defaults are set from this table."""
+    from triton.testing import do_bench
+
+    m, h, f = 8192, 4096, 11008
+    x = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
+    gu = torch.randn(m, 2 * f, device=dev, dtype=torch.bfloat16)
+    w = torch.ones(h, device=dev, dtype=torch.bfloat16)
+    s = aq.tensor_scale(x)
+    _, q, e, mean, rstd, _ = act_norm.norm_forward(x, w, None)
+    knobs = [
+        ("group_quantize", aq, ("GQ_BM", "GQ_BK", "GQ_WARPS"),
+         [(32, 128, 4), (64, 128, 8), (16, 256, 4), (32, 256, 8), (64, 64, 4), (128, 64, 8)],
+         lambda: aq.group_quantize(x), m * h * 3.0625),
+        ("amax", aq, ("AMAX_BLOCK", "AMAX_ITERS", "AMAX_WARPS"),
+         [(4096, 4, 8), (8192, 2, 8), (2048, 8, 4), (8192, 4, 16), (4096, 1, 4), (16384, 1, 16)],
+         lambda: aq.amax_partials(x), m * h * 2.0),
+        ("cast row+T", aq, ("CAST_BM", "CAST_BN", "CAST_WARPS"),
+         [(64, 128, 8), (32, 128, 4), (64, 64, 4), (128, 64, 8), (128, 128, 8), (64, 256, 8)],
+         lambda: aq.cast(x, s, write_t=True), m * h * 4.0),
+        ("norm_cast row", act_norm, ("CAST_BM", "CAST_BN", "CAST_WARPS"),
+         [(64, 128, 8), (32, 128, 4), (64, 64, 4), (128, 64, 8), (128, 128, 8), (16, 256, 4)],
+         lambda: act_norm.norm_cast(q, e, mean, rstd, w, None, s), m * h * 2.0625),
+        ("swiglu_forward", act_swiglu, ("FWD_BM", "FWD_WARPS"),
+         [(32, 4), (16, 4), (64, 8), (32, 8), (8, 4)], lambda: act_swiglu.swiglu_forward(gu), m * 2 * f * 3.0625),
+    ]
+    out = {}
+    for name, mod, attrs, configs, fn, nbytes in knobs:
+        default = tuple(getattr(mod, a) for a in attrs)
+        res = []
+        for cfg in configs:
+            for a, v in zip(attrs, cfg):
+                setattr(mod, a, v)
+            try:
+                ms = do_bench(fn, warmup=10, rep=50, return_mode="median")
+                res.append((nbytes / ms / 1e6, cfg))
+            except Exception as exc:
+                res.append((0.0, f"{cfg} failed: {type(exc).__name__}"))
+        for a, v in zip(attrs, default):
+            setattr(mod, a, v)
+        res.sort(key=lambda r: -r[0])
+        out[name] = [(round(g), str(c)) for g, c in res]
+        log(f"  sweep {name:16s} {attrs}: " + "  ".join(f"{c}={g:.0f}" for g, c in res))
+    return out
+
+
+def profile_coat(layer, x, path):
+    dy = torch.randn_like(x)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            layer(x).backward(dy)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+    with open(path, "w") as fh:
+        fh.write(table)
+    LOG.write(table + "\n")
+
+
 def chart(rows, path):
     try:
         import matplotlib
@@ -373,6 +431,16 @@ def main():
         first = [("COAT (weights quantized every step)", coat),
                  ("COAT + warm WeightCache (micro-batch >= 2)", coat_cached), ("BF16 eager", layer)]
         run_variants(first, x, params, args.iters, rows)
+        if "profile" not in skip:
+            try:
+                profile_coat(coat, x, os.path.join(OUT, "coat_profile.txt"))
+            except Exception:
+                log(traceback.format_exc())
+    if "sweep" not in skip:
+        try:
+            results["sweep"] = sweep(dev)
+        except Exception:
+            log(traceback.format_exc())
     if "bandwidth" not in skip:
         try:
             results["bandwidth"] = bandwidth(dev)

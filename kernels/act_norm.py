@@ -101,8 +101,9 @@ def _norm_cast_kernel(q_ptr, e_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, scale_ptr,
 
 
 @triton.jit
-def _norm_bwd_kernel(q_ptr, e_ptr, mean_ptr, rstd_ptr, w_ptr, dy_ptr, dres_ptr, dx_ptr, dw_ptr, db_ptr, M, H,
-                     IS_RMS: tl.constexpr, HAS_DRES: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _norm_bwd_kernel(q_ptr, e_ptr, mean_ptr, rstd_ptr, w_ptr, dy_ptr, dres_ptr, dx_ptr, dw_ptr, db_ptr, partial_ptr,
+                     M, H, IS_RMS: tl.constexpr, HAS_DRES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     WRITE_PARTIAL: tl.constexpr,
                      ZERO_CENTERED: tl.constexpr, ROWS: tl.constexpr, BH: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BH)
@@ -110,6 +111,8 @@ def _norm_bwd_kernel(q_ptr, e_ptr, mean_ptr, rstd_ptr, w_ptr, dy_ptr, dres_ptr, 
     w, _ = _load_gamma(w_ptr, w_ptr, cols, H, False, ZERO_CENTERED)
     dw = tl.zeros((1, BH), tl.float32)
     db = tl.zeros((1, BH), tl.float32)
+    amax = tl.zeros((1, BH), tl.float32)
+    bad = tl.zeros((1, BH), tl.int32)
     for r in range(ROWS):
         rows = pid * ROWS + r + tl.arange(0, 1)
         mask = (rows[:, None] < M) & (cols[None, :] < H)
@@ -131,13 +134,20 @@ def _norm_bwd_kernel(q_ptr, e_ptr, mean_ptr, rstd_ptr, w_ptr, dy_ptr, dres_ptr, 
                 * rstd[:, None]
         if HAS_DRES:
             dx = dx + tl.load(dres_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dx = dx.to(dx_ptr.dtype.element_ty)
+        tl.store(dx_ptr + offs, dx, mask=mask)
+        if WRITE_PARTIAL:  # stage 1 of the E5M2 quantization of dx by the next GEMM's backward
+            a = tl.abs(dx.to(tl.float32))
+            bad = tl.maximum(bad, (mask & ((a != a) | (a == float("inf")))).to(tl.int32))
+            amax = tl.maximum(amax, tl.where(mask & (a == a), a, 0.0))
         dw += dy * xhat
         if HAS_BIAS:
             db += dy
     tl.store(dw_ptr + pid.to(tl.int64) * H + cols[None, :], dw, mask=cols[None, :] < H)
     if HAS_BIAS:
         tl.store(db_ptr + pid.to(tl.int64) * H + cols[None, :], db, mask=cols[None, :] < H)
+    if WRITE_PARTIAL:
+        tl.store(partial_ptr + pid, tl.where(tl.max(bad) > 0, float("nan"), tl.max(amax)))
 
 
 # ------------------------------------------------------------------------------------------- torch references
@@ -229,7 +239,7 @@ def norm_forward(x2d, weight, bias=None, *, residual=None, kind="rmsnorm", eps=1
     return hsum, q, e, mean, rstd, partial
 
 
-CAST_BM, CAST_BN = 64, 128
+CAST_BM, CAST_BN, CAST_WARPS = 64, 128, 8
 
 
 def norm_cast(q, e, mean, rstd, weight, bias, scale, *, zero_centered=False, write_row=True, write_t=False,
@@ -245,7 +255,7 @@ def norm_cast(q, e, mean, rstd, weight, bias, scale, *, zero_centered=False, wri
     grid = (triton.cdiv(mp if write_t else m, CAST_BM), triton.cdiv(h, CAST_BN))
     _norm_cast_kernel[grid](q, e, mean, rstd, weight, bias, scale, out, out_t, m, h, mp, IS_RMS=mean is None,
                             HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered, WRITE_ROW=write_row,
-                            WRITE_T=write_t, BM=CAST_BM, BN=CAST_BN, num_warps=8)
+                            WRITE_T=write_t, BM=CAST_BM, BN=CAST_BN, num_warps=CAST_WARPS)
     return out, out_t
 
 
@@ -253,10 +263,11 @@ BWD_ROWS = 32
 
 
 def norm_backward(q, e, mean, rstd, weight, dy, *, dres=None, has_bias=False, zero_centered=False,
-                  triton_kernels=None):
-    """-> (dx [M, H] in dy's dtype (+ dres), dweight fp32 [H], dbias fp32 [H] | None)."""
+                  partial_amax=False, triton_kernels=None):
+    """-> (dx [M, H] in dy's dtype (+ dres), dweight fp32 [H], dbias fp32 [H] | None[, partial amax of dx])."""
     if not (aq.use_triton(q) if triton_kernels is None else triton_kernels):
-        return norm_backward_ref(q, e, mean, rstd, weight, dy, dres, has_bias, zero_centered)
+        out = norm_backward_ref(q, e, mean, rstd, weight, dy, dres, has_bias, zero_centered)
+        return out + (aq.tensor_amax_partials_ref(out[0]),) if partial_amax else out
     m, h = q.shape
     bh = triton.next_power_of_2(h)
     rows = BWD_ROWS if m >= 64 * BWD_ROWS else max(1, min(BWD_ROWS, m // 4))
@@ -264,9 +275,11 @@ def norm_backward(q, e, mean, rstd, weight, dy, *, dres=None, has_bias=False, ze
     dx = torch.empty(m, h, dtype=dy.dtype, device=q.device)
     dw = torch.zeros(max(grid[0], 1), h, dtype=torch.float32, device=q.device)
     db = torch.zeros_like(dw) if has_bias else None
+    partial = torch.zeros(max(grid[0], 1), dtype=torch.float32, device=q.device)
     if m:
         _norm_bwd_kernel[grid](q, e, mean, rstd, weight, dy.contiguous(),
-                               dres.contiguous() if dres is not None else None, dx, dw, db, m, h,
+                               dres.contiguous() if dres is not None else None, dx, dw, db, partial, m, h,
                                IS_RMS=mean is None, HAS_DRES=dres is not None, HAS_BIAS=has_bias,
-                               ZERO_CENTERED=zero_centered, ROWS=rows, BH=bh, num_warps=_warps(bh))
-    return dx, dw.sum(0), (db.sum(0) if has_bias else None)
+                               WRITE_PARTIAL=partial_amax, ZERO_CENTERED=zero_centered, ROWS=rows, BH=bh, num_warps=_warps(bh))
+    out = dx, dw.sum(0), (db.sum(0) if has_bias else None)
+    return out + (partial,) if partial_amax else out

@@ -18,13 +18,14 @@ COAT_ACT_BACKEND=triton|torch forces one.
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import triton
 import triton.language as tl
 
 from .formats import E4M3, E5M2, get_format
-from .triton_fp8 import to_e4m3, to_e5m2
+from .triton_fp8 import round_to_fp8_grid, to_e4m3, to_e5m2
 
 GROUP = 16
 NO_SCALE = 255  # scale exponent marking a group with Inf/NaN
@@ -80,8 +81,15 @@ def quantize_groups(x, BM: tl.constexpr, BK: tl.constexpr, FP8_MAX: tl.constexpr
     amax = tl.max(tl.where(a3 == a3, a3, 0.0), axis=2)
     e = encode_group_exponent(amax, bad, FP8_MAX)
     scale = decode_group_exponent(e)
-    q3 = fp8_cast(x3 / scale[:, :, None], E5M2_OUT)
-    deq = tl.reshape(q3.to(tl.float32) * scale[:, :, None], (BM, BK))
+    y3 = x3 / scale[:, :, None]
+    q3 = fp8_cast(y3, E5M2_OUT)
+    # the dequantized values come from the fp32 grid rounding (same values as the codes), not from converting the
+    # in-register FP8 codes back: on the H100 that round trip after a reshape gave wrong values (triton 3.6)
+    if E5M2_OUT:
+        r3 = round_to_fp8_grid(y3, 2, -14, 57344.0)
+    else:
+        r3 = round_to_fp8_grid(y3, 3, -6, 448.0)
+    deq = tl.reshape(r3 * scale[:, :, None], (BM, BK))
     return tl.reshape(q3, (BM, BK)), e, deq
 
 
@@ -105,11 +113,11 @@ def tile_amax(y, mask):
 def store_cast(y, rows, cols, scale, out_ptr, out_t_ptr, M, N, M_PAD,
                WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr, E5M2_OUT: tl.constexpr):
     """Cast tile y [BM, BN] (rows >= M already zero) with a per-tensor scale; write out [M, N] and/or out_t [N, M_PAD]."""
-    q = fp8_cast(y / scale, E5M2_OUT)
     if WRITE_ROW:
+        q = fp8_cast(y / scale, E5M2_OUT)
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], q, mask=(rows[:, None] < M) & (cols[None, :] < N))
     if WRITE_T:
-        qt = tl.trans(q)
+        qt = fp8_cast(tl.trans(y) / scale, E5M2_OUT)  # transpose fp32, then cast (fp8 transposes miscompiled)
         tl.store(out_t_ptr + cols[:, None] * M_PAD + rows[None, :], qt,
                  mask=(cols[:, None] < N) & (rows[None, :] < M_PAD))
 
@@ -148,12 +156,17 @@ def _group_dequant_kernel(q_ptr, e_ptr, y_ptr, M, K, BM: tl.constexpr, BK: tl.co
 
 
 @triton.jit
-def _amax_partial_kernel(x_ptr, partial_ptr, N, BLOCK: tl.constexpr):
+def _amax_partial_kernel(x_ptr, partial_ptr, N, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(partial_ptr + pid, tile_amax(x, mask))
+    amax = tl.zeros((BLOCK,), tl.float32)
+    bad = tl.zeros((BLOCK,), tl.int32)
+    for i in range(ITERS):
+        offs = (pid.to(tl.int64) * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
+        a = tl.abs(x)
+        bad = tl.maximum(bad, ((a != a) | (a == float("inf"))).to(tl.int32))
+        amax = tl.maximum(amax, tl.where(a == a, a, 0.0))
+    tl.store(partial_ptr + pid, tl.where(tl.max(bad) > 0, float("nan"), tl.max(amax)))
 
 
 @triton.jit
@@ -235,7 +248,8 @@ def cast_ref(x2d, scale, fmt="e4m3", write_row=True, write_t=False):
 # ------------------------------------------------------------------------------------------------ public ops
 GQ_BM, GQ_BK = 32, 128
 CAST_BM, CAST_BN = 64, 128
-AMAX_BLOCK = 8192
+AMAX_BLOCK, AMAX_ITERS, AMAX_WARPS = 4096, 4, 8
+GQ_WARPS, CAST_WARPS = 4, 8
 
 
 def group_quantize(x, fmt="e4m3", *, partial_amax=False, triton_kernels=None):
@@ -253,7 +267,7 @@ def group_quantize(x, fmt="e4m3", *, partial_amax=False, triton_kernels=None):
     grid = (triton.cdiv(m, GQ_BM), triton.cdiv(k, GQ_BK))
     partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
     _group_quant_kernel[grid](x2, q, e, partial, m, k, FP8_MAX=fmt.max, E5M2_OUT=fmt is E5M2,
-                              WRITE_PARTIAL=partial_amax, BM=GQ_BM, BK=GQ_BK)
+                              WRITE_PARTIAL=partial_amax, BM=GQ_BM, BK=GQ_BK, num_warps=GQ_WARPS)
     q, e = q.reshape(x.shape), e.reshape(*x.shape[:-1], k // GROUP)
     return (q, e, partial) if partial_amax else (q, e)
 
@@ -265,7 +279,8 @@ def group_dequantize(q, e, dtype=torch.bfloat16, *, triton_kernels=None):
     q2 = q.reshape(-1, k)
     y = torch.empty(q2.shape, dtype=dtype, device=q.device)
     grid = (triton.cdiv(q2.shape[0], GQ_BM), triton.cdiv(k, GQ_BK))
-    _group_dequant_kernel[grid](q2, e.reshape(-1, k // GROUP), y, q2.shape[0], k, BM=GQ_BM, BK=GQ_BK)
+    _group_dequant_kernel[grid](q2, e.reshape(-1, k // GROUP), y, q2.shape[0], k, BM=GQ_BM, BK=GQ_BK,
+                                num_warps=GQ_WARPS)
     return y.reshape(q.shape)
 
 
@@ -281,11 +296,11 @@ def amax_partials(x, *, triton_kernels=None):
         return tensor_amax_partials_ref(x)
     x = x.contiguous()
     n = x.numel()
-    partial = torch.empty(max(triton.cdiv(n, AMAX_BLOCK), 1), dtype=torch.float32, device=x.device)
+    partial = torch.empty(max(triton.cdiv(n, AMAX_BLOCK * AMAX_ITERS), 1), dtype=torch.float32, device=x.device)
     if n == 0:
         partial.zero_()
         return partial
-    _amax_partial_kernel[(partial.numel(),)](x, partial, n, BLOCK=AMAX_BLOCK, num_warps=8)
+    _amax_partial_kernel[(partial.numel(),)](x, partial, n, BLOCK=AMAX_BLOCK, ITERS=AMAX_ITERS, num_warps=AMAX_WARPS)
     return partial
 
 
@@ -319,12 +334,33 @@ def cast(x2d, scale, fmt="e4m3", *, write_row=True, write_t=False, triton_kernel
     q_t = torch.empty(n, mp, dtype=fmt.dtype, device=x2d.device) if write_t else None
     grid = (triton.cdiv(mp if write_t else m, CAST_BM), triton.cdiv(n, CAST_BN))
     _cast_kernel[grid](x2d, scale, q, q_t, m, n, mp, WRITE_ROW=write_row, WRITE_T=write_t,
-                       E5M2_OUT=fmt is E5M2, BM=CAST_BM, BN=CAST_BN, num_warps=8)
+                       E5M2_OUT=fmt is E5M2, BM=CAST_BM, BN=CAST_BN, num_warps=CAST_WARPS)
     return q, q_t
 
 
-def quantize_tensor(x2d, fmt="e4m3", *, write_row=True, write_t=False, triton_kernels=None):
-    """Per-tensor FP8 of x [M, N]: amax partials, scale, cast. Returns (q, q_t, scale)."""
-    scale = tensor_scale(x2d, fmt, triton_kernels=triton_kernels)
+# Stage-1 amaxes of gradients handed from one block's backward to the next: a backward kernel that produces a
+# gradient also writes its partial amaxes; the block that consumes that very tensor object (checked by identity
+# and version, so an in-place change or a different tensor never reuses them) skips its own amax pass.
+_GRAD_PARTIALS: list = []
+
+
+def remember_partials(t: torch.Tensor, partial: torch.Tensor):
+    _GRAD_PARTIALS[:] = [e for e in _GRAD_PARTIALS[-7:] if e[0]() is not None]
+    _GRAD_PARTIALS.append((weakref.ref(t), t._version, partial))
+
+
+def take_partials(t: torch.Tensor):
+    for i, (ref, version, partial) in enumerate(_GRAD_PARTIALS):
+        if ref() is t:
+            del _GRAD_PARTIALS[i]
+            return partial if t._version == version else None
+    return None
+
+
+def quantize_tensor(x2d, fmt="e4m3", *, write_row=True, write_t=False, partial=None, triton_kernels=None):
+    """Per-tensor FP8 of x [M, N]: amax partials (unless given), scale, cast. Returns (q, q_t, scale)."""
+    if partial is None:
+        partial = amax_partials(x2d, triton_kernels=triton_kernels)
+    scale = finalize_scale(partial, fmt, triton_kernels=triton_kernels)
     q, q_t = cast(x2d, scale, fmt, write_row=write_row, write_t=write_t, triton_kernels=triton_kernels)
     return q, q_t, scale

@@ -12,12 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .act_quant import use_triton
+from .act_quant import remember_partials, tensor_amax_partials_ref, tile_amax, use_triton
 
 
 @triton.jit
-def _rope_kernel(src_ptr, dst_ptr, cos_ptr, sin_ptr, T, S, SRC_STRIDE, DST_STRIDE, HALF_H,
-                 HALF_D: tl.constexpr, ROTATE: tl.constexpr, SIGN: tl.constexpr,
+def _rope_kernel(src_ptr, dst_ptr, cos_ptr, sin_ptr, partial_ptr, T, S, SRC_STRIDE, DST_STRIDE, HALF_H,
+                 HALF_D: tl.constexpr, ROTATE: tl.constexpr, SIGN: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
                  BT: tl.constexpr, BJ: tl.constexpr):
     pid_t, pid_j = tl.program_id(0), tl.program_id(1)
     t = (pid_t * BT + tl.arange(0, BT)).to(tl.int64)
@@ -28,13 +28,19 @@ def _rope_kernel(src_ptr, dst_ptr, cos_ptr, sin_ptr, T, S, SRC_STRIDE, DST_STRID
     x2 = tl.load(src_ptr + t[:, None] * SRC_STRIDE + col1[None, :] + HALF_D, mask=mask, other=0.0)
     if ROTATE:
         pos = t % S
-        c = tl.load(cos_ptr + pos[:, None] * HALF_D + (j % HALF_D)[None, :], mask=mask, other=0.0)
-        s = tl.load(sin_ptr + pos[:, None] * HALF_D + (j % HALF_D)[None, :], mask=mask, other=0.0) * SIGN
+        c = tl.load(cos_ptr + pos[:, None] * HALF_D + (j % HALF_D)[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + pos[:, None] * HALF_D + (j % HALF_D)[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = s * SIGN
         a, b = x1.to(tl.float32), x2.to(tl.float32)
         x1 = (a * c - b * s).to(dst_ptr.dtype.element_ty)
         x2 = (b * c + a * s).to(dst_ptr.dtype.element_ty)
     tl.store(dst_ptr + t[:, None] * DST_STRIDE + col1[None, :], x1, mask=mask)
     tl.store(dst_ptr + t[:, None] * DST_STRIDE + col1[None, :] + HALF_D, x2, mask=mask)
+    if WRITE_PARTIAL:  # stage 1 of the E5M2 quantization of d(qkv) by the QKV GEMM's backward
+        a1 = tile_amax(x1.to(tl.float32), mask)
+        a2 = tile_amax(x2.to(tl.float32), mask)
+        tl.store(partial_ptr + pid_t * tl.num_programs(1) + pid_j,
+                 tl.where((a1 != a1) | (a2 != a2), float("nan"), tl.maximum(a1, a2)))
 
 
 def rope_tables(seq_len, head_dim, base=10000.0, device="cpu"):
@@ -57,10 +63,14 @@ def rope_ref(x, cos, sin, seq_len, head_dim, sign=1.0):
 BT, BJ = 4, 1024
 
 
-def _launch(src, src_stride, dst, dst_stride, cos, sin, t, seq_len, h, head_dim, rotate, sign):
-    grid = (triton.cdiv(t, BT), triton.cdiv(h // 2, BJ))
-    _rope_kernel[grid](src, dst, cos, sin, t, seq_len, src_stride, dst_stride, h // 2, HALF_D=head_dim // 2,
-                       ROTATE=rotate, SIGN=sign, BT=BT, BJ=BJ, num_warps=4)
+def _grid(t, h):
+    return (triton.cdiv(t, BT), triton.cdiv(h // 2, BJ))
+
+
+def _launch(src, src_stride, dst, dst_stride, cos, sin, t, seq_len, h, head_dim, rotate, sign, partial=None):
+    _rope_kernel[_grid(t, h)](src, dst, cos, sin, partial, t, seq_len, src_stride, dst_stride, h // 2,
+                              HALF_D=head_dim // 2, ROTATE=rotate, SIGN=sign, WRITE_PARTIAL=partial is not None,
+                              BT=BT, BJ=BJ, num_warps=4)
 
 
 class _RopeSplit(torch.autograd.Function):
@@ -84,11 +94,17 @@ class _RopeSplit(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         t, h = dq.shape
         if not use_triton(dq):
-            return torch.cat([rope_ref(dq, cos, sin, ctx.seq_len, ctx.head_dim, -1.0),
-                              rope_ref(dk, cos, sin, ctx.seq_len, ctx.head_dim, -1.0), dv], -1), None, None, None, None
+            dqkv = torch.cat([rope_ref(dq, cos, sin, ctx.seq_len, ctx.head_dim, -1.0),
+                              rope_ref(dk, cos, sin, ctx.seq_len, ctx.head_dim, -1.0), dv], -1)
+            remember_partials(dqkv, tensor_amax_partials_ref(dqkv))
+            return dqkv, None, None, None, None
         dqkv = torch.empty(t, 3 * h, dtype=dq.dtype, device=dq.device)
+        n = _grid(t, h)[0] * _grid(t, h)[1]
+        partial = torch.zeros(3 * n, dtype=torch.float32, device=dq.device)
         for i, g in enumerate((dq, dk, dv)):
-            _launch(g.contiguous(), h, dqkv[:, i * h:], 3 * h, cos, sin, t, ctx.seq_len, h, ctx.head_dim, i < 2, -1.0)
+            _launch(g.contiguous(), h, dqkv[:, i * h:], 3 * h, cos, sin, t, ctx.seq_len, h, ctx.head_dim, i < 2, -1.0,
+                    partial[i * n:(i + 1) * n])
+        remember_partials(dqkv, partial)
         return dqkv, None, None, None, None
 
 

@@ -130,9 +130,12 @@ def swiglu_grad_ref(q, e, dy):
 
 
 # ------------------------------------------------------------------------------------------------ public ops
+FWD_BM, FWD_WARPS, CAST_BM, CAST_WARPS = 32, 4, 64, 8
+
+
 def _tiles(f):
     bf = next(b for b in (128, 64, 32, 16) if f % b == 0)
-    return 32, bf
+    return FWD_BM, bf
 
 
 def _check(x):
@@ -157,7 +160,8 @@ def swiglu_forward(x2d, *, write_out=False, triton_kernels=None):
     grid = (triton.cdiv(m, bm), f // bf)
     partial = torch.zeros(max(grid[0] * grid[1], 1), dtype=torch.float32, device=x2d.device)
     if m:
-        _swiglu_fwd_kernel[grid](x2d, q, e, out, partial, m, f, WRITE_OUT=write_out, BM=bm, BF=bf, num_warps=4)
+        _swiglu_fwd_kernel[grid](x2d, q, e, out, partial, m, f, WRITE_OUT=write_out, BM=bm, BF=bf,
+                                 num_warps=FWD_WARPS)
     return q, e, partial, out
 
 
@@ -170,11 +174,10 @@ def swiglu_cast(q, e, scale, *, write_row=True, write_t=False, triton_kernels=No
     mp = aq.pad16(m)
     out = torch.empty(m, f, dtype=E4M3.dtype, device=q.device) if write_row else None
     out_t = torch.empty(f, mp, dtype=E4M3.dtype, device=q.device) if write_t else None
-    bm, bf = _tiles(f)
-    bm = 64
+    bm, bf = CAST_BM, _tiles(f)[1]
     grid = (triton.cdiv(mp if write_t else m, bm), f // bf)
     _swiglu_cast_kernel[grid](q, e, scale, out, out_t, m, f, mp, WRITE_ROW=write_row, WRITE_T=write_t,
-                              BM=bm, BF=bf, num_warps=8)
+                              BM=bm, BF=bf, num_warps=CAST_WARPS)
     return out, out_t
 
 
@@ -191,7 +194,7 @@ def swiglu_backward(q, e, dy, *, triton_kernels=None):
     partial = torch.zeros(max(grid[0] * grid[1], 1), dtype=torch.float32, device=q.device)
     if m:
         _swiglu_bwd_kernel[grid](q, e, dy.contiguous(), dx, partial, None, None, None, m, f, 0, CAST=False,
-                                 WRITE_ROW=False, WRITE_T=False, BM=bm, BF=bf, num_warps=4)
+                                 WRITE_ROW=False, WRITE_T=False, BM=bm, BF=bf, num_warps=FWD_WARPS)
     return dx, partial
 
 
@@ -204,9 +207,8 @@ def swiglu_backward_cast(q, e, dy, scale, *, write_row=True, write_t=True, trito
     mp = aq.pad16(m)
     out = torch.empty(m, f2, dtype=E5M2.dtype, device=q.device) if write_row else None
     out_t = torch.empty(f2, mp, dtype=E5M2.dtype, device=q.device) if write_t else None
-    bm, bf = _tiles(f)
-    bm = 64
+    bm, bf = CAST_BM, _tiles(f)[1]
     grid = (triton.cdiv(mp if write_t else m, bm), f // bf)
     _swiglu_bwd_kernel[grid](q, e, dy.contiguous(), None, None, scale, out, out_t, m, f, mp, CAST=True,
-                             WRITE_ROW=write_row, WRITE_T=write_t, BM=bm, BF=bf, num_warps=8)
+                             WRITE_ROW=write_row, WRITE_T=write_t, BM=bm, BF=bf, num_warps=CAST_WARPS)
     return out, out_t

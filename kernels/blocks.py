@@ -87,10 +87,12 @@ def _out_dtype(x):
     return x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
 
 
-def _linear_backward(ctx, dy2, weight, w_scale, in_scale, in_t_fn, need_dx):
+def _linear_backward(ctx, dy, weight, w_scale, in_scale, in_t_fn, need_dx):
     """Shared GEMM backward: (dgrad [M, K] | None, wgrad | None, bias grad | None). in_t_fn() -> input^T FP8."""
     need_dw = ctx.needs_input_grad[ctx.weight_index]
-    dy8, dy8_t, dy_scale = aq.quantize_tensor(dy2, E5M2, write_row=need_dx, write_t=need_dw)
+    dy2 = dy.reshape(-1, weight.shape[0])
+    dy8, dy8_t, dy_scale = aq.quantize_tensor(dy2, E5M2, write_row=need_dx, write_t=need_dw,
+                                              partial=aq.take_partials(dy))
     dx = dw = db = None
     if need_dx:
         dx = fp8_gemm(dy8, _weight_transposed(weight, w_scale, ctx.cache), dy_scale, w_scale, ctx.out_dtype)
@@ -125,7 +127,7 @@ class _Fp8Linear(torch.autograd.Function):
                 return aq.cast(saved_x.reshape(-1, k), x_scale, E4M3, write_row=False, write_t=True)[1]
             return saved_x
 
-        dx, dw, db = _linear_backward(ctx, dy.reshape(-1, weight.shape[0]), weight, w_scale, x_scale, input_t,
+        dx, dw, db = _linear_backward(ctx, dy, weight, w_scale, x_scale, input_t,
                                       ctx.needs_input_grad[0])
         if dx is not None:
             dx = dx.reshape(*dy.shape[:-1], k)
@@ -168,14 +170,16 @@ class _Fp8NormLinear(torch.autograd.Function):
                                       zero_centered=ctx.zero_centered, write_row=False, write_t=True)[1]
 
         need_dx = any(ctx.needs_input_grad[:4])
-        dy_norm, dw, db = _linear_backward(ctx, dout.reshape(-1, weight.shape[0]), weight, w_scale, y_scale,
+        dy_norm, dw, db = _linear_backward(ctx, dout, weight, w_scale, y_scale,
                                            norm_out_t, need_dx)
         dx = dnw = dnb = None
         if need_dx:
             dres = dh.reshape(q.shape) if (ctx.has_residual and dh is not None) else None
-            dx, dnw, dnb = act_norm.norm_backward(q, e, mean, rstd, norm_weight, dy_norm, dres=dres,
-                                                  has_bias=norm_bias is not None, zero_centered=ctx.zero_centered)
+            dx, dnw, dnb, partial = act_norm.norm_backward(q, e, mean, rstd, norm_weight, dy_norm, dres=dres,
+                                                           has_bias=norm_bias is not None,
+                                                           zero_centered=ctx.zero_centered, partial_amax=True)
             dx = dx.reshape(ctx.shape)
+            aq.remember_partials(dx, partial)
             dnw = dnw.to(norm_weight.dtype)
             dnb = dnb.to(norm_bias.dtype) if dnb is not None else None
         return dx, (dx if ctx.has_residual else None), dnw, dnb, dw, db, None, None, None, None
@@ -217,11 +221,14 @@ class _Fp8SwigluLinear(torch.autograd.Function):
         def product_t():
             return act_swiglu.swiglu_cast(q, e, p_scale, write_row=False, write_t=True)[1]
 
-        dp, dw, db = _linear_backward(ctx, dout.reshape(-1, weight.shape[0]), weight, w_scale, p_scale, product_t,
+        dp, dw, db = _linear_backward(ctx, dout, weight, w_scale, p_scale, product_t,
                                       ctx.needs_input_grad[0])
         dx = None
         if dp is not None:
-            dx = act_swiglu.swiglu_backward(q, e, dp)[0].to(ctx.x_dtype).reshape(ctx.shape)
+            dx, partial = act_swiglu.swiglu_backward(q, e, dp)
+            dx = dx.to(ctx.x_dtype).reshape(ctx.shape)
+            if ctx.x_dtype == torch.bfloat16:
+                aq.remember_partials(dx, partial)
         return dx, dw, db, None
 
 
