@@ -4,7 +4,7 @@ Run at interpreter start-up by `coat_fp8_autoregister.pth` (installed into site-
 this file by path: nothing else of coat_ds, torch or deepspeed is imported at start-up. `install()` puts a one-shot
 finder on `sys.meta_path`; when `import deepspeed` runs, the finder wraps deepspeed's loader so that, once the
 module has executed, `import coat_ds` runs (which registers the optimizer). Any failure is a warning, never an
-error. Set COAT_FP8_NO_AUTOREGISTER=1 to switch it off.
+error. Set COAT_FP8_NO_AUTOREGISTER=1 to switch the start-up hook off.
 
 Standalone on purpose: no imports from coat_ds (this file is executed outside the package at start-up).
 """
@@ -56,9 +56,15 @@ def _remove_hooks():
     sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "coat_fp8_hook", False)]
 
 
+def install_at_startup():
+    """What the .pth file runs; COAT_FP8_NO_AUTOREGISTER=1 switches it off (`import coat_ds` still registers)."""
+    if not os.environ.get("COAT_FP8_NO_AUTOREGISTER"):
+        install()
+
+
 def install():
     """Idempotent. If deepspeed is already imported, the caller should register directly instead."""
-    if os.environ.get("COAT_FP8_NO_AUTOREGISTER") or WATCHED in sys.modules:
+    if WATCHED in sys.modules:
         return
     if not any(getattr(f, "coat_fp8_hook", False) for f in sys.meta_path):
         sys.meta_path.insert(0, DeepSpeedImportHook())
