@@ -101,6 +101,16 @@ def dequantize_groups(q, e, BM: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
+def dequantize_gathered(q_ptr, e_ptr, rows, cols, mask, K):
+    """fp32 tile [BM, BN] of the 1x16 FP8 copy of a row-major [M, K] tensor, each element fetching its group's
+    exponent directly (no reshape: on the H100, kernels that reshaped and then wrote both a row-major and a
+    transposed copy gave wrong transposed codes)."""
+    q = tl.load(q_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0)
+    e = tl.load(e_ptr + rows[:, None] * (K // 16) + (cols // 16)[None, :], mask=mask, other=127).to(tl.int32)
+    return q.to(tl.float32) * decode_group_exponent(e)
+
+
+@triton.jit
 def tile_amax(y, mask):
     """max |y| over the masked tile; NaN if any element is Inf/NaN (stage 1 of group scaling)."""
     a = tl.abs(y)
@@ -246,7 +256,7 @@ def cast_ref(x2d, scale, fmt="e4m3", write_row=True, write_t=False):
 
 
 # ------------------------------------------------------------------------------------------------ public ops
-GQ_BM, GQ_BK = 32, 128
+GQ_BM, GQ_BK = 64, 64  # tiles and warps: best of the sweep in benchmarks/bench_llama_layer.py (H100)
 CAST_BM, CAST_BN = 64, 128
 AMAX_BLOCK, AMAX_ITERS, AMAX_WARPS = 4096, 4, 8
 GQ_WARPS, CAST_WARPS = 4, 8

@@ -100,7 +100,7 @@ class _RopeSplit(torch.autograd.Function):
             return dqkv, None, None, None, None
         dqkv = torch.empty(t, 3 * h, dtype=dq.dtype, device=dq.device)
         n = _grid(t, h)[0] * _grid(t, h)[1]
-        partial = torch.zeros(3 * n, dtype=torch.float32, device=dq.device)
+        partial = torch.empty(3 * n, dtype=torch.float32, device=dq.device)
         for i, g in enumerate((dq, dk, dv)):
             _launch(g.contiguous(), h, dqkv[:, i * h:], 3 * h, cos, sin, t, ctx.seq_len, h, ctx.head_dim, i < 2, -1.0,
                     partial[i * n:(i + 1) * n])
