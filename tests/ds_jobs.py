@@ -326,6 +326,8 @@ def one_rank_worker(rank, world, port, ck_dir):
     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
     numels = [p.numel() for p in H.make_model().parameters()]
+    load_universal_and_check(ck_dir, "z3_fp32_universal", "z3_fp32_expected.pt", numels, rank, world,
+                             next_step=3, stage=3, dtype="fp32")
     engine = load_universal_and_check(ck_dir, "z2_bf16_universal", "z2_bf16_expected.pt", numels, rank, world,
                                       next_step=3)
     engine.save_checkpoint(ck_dir, tag="dp1", client_state={UNIVERSAL_CHECKPOINT_INFO: {}})
@@ -342,30 +344,31 @@ def one_rank_worker(rank, world, port, ck_dir):
     assert float(flat_state(client_callable)[1]["step"]) == 2.0
 
 
-def load_universal_and_check(ck_dir, tag, expected_file, numels, rank, world, next_step):
-    """Load a universal checkpoint into a ZeRO-2 bf16 engine of `world` ranks and check it against the saved run:
-    fp32 weights and (fp32) moments exact, the next loss exact; then one step re-quantizes the moments."""
+def load_universal_and_check(ck_dir, tag, expected_file, numels, rank, world, next_step, stage=2, dtype="bf16"):
+    """Load a universal checkpoint into an engine of `world` ranks and check it against the saved run: fp32
+    weights and (fp32) moments exact, the next loss exact; then one step re-quantizes the moments."""
     import deepspeed
 
+    tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
     expected = torch.load(os.path.join(ck_dir, expected_file), weights_only=False)
     engine, *_ = deepspeed.initialize(model=H.make_model(7),
-                                      config=H.ds_config(2, "bf16", checkpoint={"load_universal": True}))
+                                      config=H.ds_config(stage, dtype, checkpoint={"load_universal": True}))
     engine.load_checkpoint(ck_dir, tag=tag)
     for idx, p in enumerate(engine.module.parameters()):
         assert torch.equal(deepspeed.utils.safe_get_full_fp32_param(p).float(), expected["weights"][idx]), idx
     flat, state = flat_state(engine)
     assert state["exp_avg"].dtype == torch.float32 and float(state["step"]) == next_step, sorted(state)
-    for idx, fs, n, po in H.indexed_segments(numels, 2, rank, world):
+    for idx, fs, n, po in H.indexed_segments(numels, stage, rank, world):
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(state[key][fs:fs + n], expected["moments"][idx][key][po:po + n]), (key, idx)
-    loss = engine(*H.batch(next_step, rank, torch.bfloat16))
+    loss = engine(*H.batch(next_step, rank, tdt))
     want = expected["next_loss_rank0"] if "next_loss_rank0" in expected else expected["next_losses"][rank]
     assert loss.item() == want, (loss.item(), want)
     engine.backward(loss)
     engine.step()
     flat, state = flat_state(engine)
     assert "exp_avg" not in state and state["exp_avg_q"].dtype == torch.float8_e4m3fn, sorted(state)
-    assert state["segments"].tolist() == [list(s) for s in H.expected_segments(numels, 2, rank, world)]
+    assert state["segments"].tolist() == [list(s) for s in H.expected_segments(numels, stage, rank, world)]
     assert float(state["step"]) == next_step + 1 and torch.isfinite(flat).all()
     return engine
 

@@ -30,13 +30,15 @@ def test_zero_stages_match_single_process(tmp_path):
 
 
 def test_checkpoints_nonfinite_and_resharding(tmp_path):
-    """Same-DP save/load bit-exact (ZeRO-2 bf16, ZeRO-3 fp32); NaN/Inf gradients (bf16 groups skipped, fp16 step
-    skipped by the loss scaler); zero_to_fp32; DP 2 -> 1 -> 2 through coat_ds.to_universal."""
+    """Same-DP save/load bit-exact (ZeRO-2 bf16, ZeRO-3 fp32); NaN/Inf gradients (DeepSpeed's overflow check skips
+    the step; without it the optimizer skips the affected groups); zero_to_fp32; DP 2 -> 1 (ZeRO-2 and ZeRO-3) and
+    1 -> 2 (ZeRO-2) through coat_ds.to_universal; bad configs; the client-callable route."""
     ck = tmp_path / "ck"
     ck.mkdir()
     mp.spawn(ds_jobs.checkpoint_worker, args=(2, H.free_port(), str(ck)), nprocs=2, join=True)
     check_zero_to_fp32(ck)
     to_universal(ck / "z2_bf16", ck / "z2_bf16_universal")
+    to_universal(ck / "z3_fp32", ck / "z3_fp32_universal")
     mp.spawn(ds_jobs.one_rank_worker, args=(1, H.free_port(), str(ck)), nprocs=1, join=True)
     to_universal(ck / "dp1", ck / "dp1_universal")
     # a script that never imports coat_ds, under torchrun: registration by the .pth hook, CPU offload, DP 1 -> 2
@@ -66,3 +68,16 @@ def check_zero_to_fp32(ck):
         assert list(recovered) == [n for n, _ in H.make_model().named_parameters()]
         for got, want in zip(recovered.values(), expected):
             assert torch.equal(got.float().view(-1), want.view(-1)), tag
+
+
+def test_unknown_layout_falls_back_with_one_warning():
+    from coat_ds import zero_segments
+
+    zero_segments._warned.clear()
+    with pytest.warns(RuntimeWarning, match="no known DeepSpeed layout"):
+        assert zero_segments.fragment_segments(torch.zeros(10), [torch.zeros(3)]) == [(0, 10, 0)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert zero_segments.fragment_segments(torch.zeros(12), [torch.zeros(3)]) == [(0, 12, 0)]
+    # a per-parameter master copy (FP16_UnfusedOptimizer) is one whole parameter, no warning
+    assert zero_segments.fragment_segments(torch.zeros(3, 4), [torch.zeros(3, 4)]) == [(0, 12, 0)]
