@@ -163,6 +163,9 @@ def swiglu_cast(q, e, scale, *, write_row=True, write_t=False, triton_kernels=No
     """Per-tensor E4M3 of silu(gate) * up recomputed from the FP8 copy: (p8 [M, F] | None, p8_t [F, M16] | None)."""
     if not (aq.use_triton(q) if triton_kernels is None else triton_kernels):
         return aq.cast_ref(swiglu_product_ref(q, e), scale, E4M3, write_row, write_t)
+    if write_row and write_t:  # one launch writing both gave wrong codes on the H100 (triton 3.6): two launches
+        return (swiglu_cast(q, e, scale, triton_kernels=True)[0],
+                swiglu_cast(q, e, scale, write_row=False, write_t=True, triton_kernels=True)[1])
     m, f2 = q.shape
     f = f2 // 2
     mp = aq.pad16(m)
