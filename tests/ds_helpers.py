@@ -23,23 +23,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_rank(rank: int, world: int, port: int, timeout_s: int = 300) -> None:
-    """Environment for one rank, the shm-op stub and init_distributed (gloo)."""
+def start_rank(rank: int, world: int, rendezvous_file: str, timeout_s: int = 300) -> None:
+    """Environment for one rank, the shm-op stub and init_distributed (gloo, file rendezvous: no port to race for
+    with other jobs on the machine)."""
     faulthandler.dump_traceback_later(timeout_s, exit=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_SIZE=str(world), DS_ACCELERATOR="cpu")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getppid() % 1000), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
-    init_deepspeed_distributed()
+    init_deepspeed_distributed(init_method=f"file://{rendezvous_file}", rank=rank, world_size=world)
 
 
-def init_deepspeed_distributed() -> None:
+def init_deepspeed_distributed(init_method=None, rank=-1, world_size=-1) -> None:
     import deepspeed
 
     # DeepSpeed JIT-builds a C++ shared-memory allreduce at init (about 11 minutes on CI); plain gloo is enough.
     # `deepspeed.comm.torch` as an attribute is the torch module (deepspeed.comm re-exports it): go via sys.modules.
     importlib.import_module("deepspeed.comm.torch")
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="gloo", init_method=init_method, rank=rank, world_size=world_size)
 
 
 class MLP(torch.nn.Module):

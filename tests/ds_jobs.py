@@ -108,8 +108,8 @@ def check_segments_and_groups(engine, numels, stage, rank, world, label):
 
 
 # ---- job 1: ZeRO stages against the single-process reference ---------------------------------------------------
-def stages_worker(rank, world, port, out_dir):
-    H.start_rank(rank, world, port)
+def stages_worker(rank, world, rendezvous, out_dir):
+    H.start_rank(rank, world, rendezvous)
     import deepspeed
     import coat_ds
     from coat_ds.deepspeed_plugin import optimizer_state_report
@@ -228,8 +228,8 @@ def train(engine, steps, rank, tdt, first=0):
     return losses
 
 
-def checkpoint_worker(rank, world, port, ck_dir):
-    H.start_rank(rank, world, port)
+def checkpoint_worker(rank, world, rendezvous, ck_dir):
+    H.start_rank(rank, world, rendezvous)
     import deepspeed
     import coat_ds  # noqa: F401
     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
@@ -319,8 +319,8 @@ def nonfinite_gradients(rank, tdt):
 
 
 # ---- job 3: one rank: universal load 2 -> 1, save for 1 -> 2, bad configs, the callable route -----------------
-def one_rank_worker(rank, world, port, ck_dir):
-    H.start_rank(rank, world, port)
+def one_rank_worker(rank, world, rendezvous, ck_dir):
+    H.start_rank(rank, world, rendezvous)
     import deepspeed
     import coat_ds
     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO

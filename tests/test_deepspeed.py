@@ -25,7 +25,7 @@ def test_zero_stages_match_single_process(tmp_path):
     """Stages 0 (bf16 unfused), 1, 2, 3, BF16_Optimizer, bf16 and fp32: fragment tables pinned against DeepSpeed's
     layout, groups never straddle parameters, states equal a run without DeepSpeed away from cut points (fp32),
     losses / weights / moments within FP8 tolerance, ~2.2 bytes of state per element."""
-    mp.spawn(ds_jobs.stages_worker, args=(2, H.free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(ds_jobs.stages_worker, args=(2, str(tmp_path / "rdzv"), str(tmp_path)), nprocs=2, join=True)
     assert (tmp_path / "stages.txt").read_text().count("\n") == 9
 
 
@@ -35,11 +35,11 @@ def test_checkpoints_nonfinite_and_resharding(tmp_path):
     1 -> 2 (ZeRO-2) through coat_ds.to_universal; bad configs; the client-callable route."""
     ck = tmp_path / "ck"
     ck.mkdir()
-    mp.spawn(ds_jobs.checkpoint_worker, args=(2, H.free_port(), str(ck)), nprocs=2, join=True)
+    mp.spawn(ds_jobs.checkpoint_worker, args=(2, str(tmp_path / "rdzv2"), str(ck)), nprocs=2, join=True)
     check_zero_to_fp32(ck)
     to_universal(ck / "z2_bf16", ck / "z2_bf16_universal")
     to_universal(ck / "z3_fp32", ck / "z3_fp32_universal")
-    mp.spawn(ds_jobs.one_rank_worker, args=(1, H.free_port(), str(ck)), nprocs=1, join=True)
+    mp.spawn(ds_jobs.one_rank_worker, args=(1, str(tmp_path / "rdzv1"), str(ck)), nprocs=1, join=True)
     to_universal(ck / "dp1", ck / "dp1_universal")
     # a script that never imports coat_ds, under torchrun: registration by the .pth hook, CPU offload, DP 1 -> 2
     run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(H.free_port()),
