@@ -59,7 +59,7 @@ def _norm_fwd_kernel(x_ptr, res_ptr, h_ptr, q_ptr, e_ptr, mean_ptr, rstd_ptr, pa
     q, e, xd = aq.quantize_groups(x, BM, BH, 448.0, False)
     tl.store(q_ptr + offs, q, mask=mask)
     gcols = tl.arange(0, BH // 16)
-    tl.store(e_ptr + rows[:, None].to(tl.int64) * (H // 16) + gcols[None, :], e.to(tl.uint8),
+    tl.store(e_ptr + rows[:, None].to(tl.int64) * (H // 16) + gcols[None, :], e.to(tl.bfloat16),
              mask=(rows[:, None] < M) & (gcols[None, :] < H // 16))
     if IS_RMS:
         mean = tl.zeros((BM,), tl.float32)
@@ -115,7 +115,7 @@ def _norm_bwd_kernel(q_ptr, e_ptr, mean_ptr, rstd_ptr, w_ptr, dy_ptr, dres_ptr, 
         offs = rows[:, None].to(tl.int64) * H + cols[None, :]
         q = tl.load(q_ptr + offs, mask=mask, other=0.0)
         e = tl.load(e_ptr + rows[:, None].to(tl.int64) * (H // 16) + gcols[None, :],
-                    mask=(rows[:, None] < M) & (gcols[None, :] < H // 16), other=127).to(tl.int32)
+                    mask=(rows[:, None] < M) & (gcols[None, :] < H // 16), other=1.0).to(tl.float32)
         xd = aq.dequantize_groups(q, e, 1, BH)
         rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -208,7 +208,7 @@ def _warps(bh):
 
 def norm_forward(x2d, weight, bias=None, *, residual=None, kind="rmsnorm", eps=1e-5, zero_centered=False,
                  triton_kernels=None):
-    """x2d [M, H] (+ residual) -> (h | None, q fp8 [M, H], e uint8 [M, H/16], mean | None, rstd, partial amax)."""
+    """x2d [M, H] (+ residual) -> (h | None, q fp8 [M, H], e bf16 [M, H/16], mean | None, rstd, partial amax)."""
     if kind not in ("rmsnorm", "layernorm"):
         raise ValueError(f"norm must be 'rmsnorm' or 'layernorm', got {kind!r}")
     is_rms = kind == "rmsnorm"
@@ -220,7 +220,7 @@ def norm_forward(x2d, weight, bias=None, *, residual=None, kind="rmsnorm", eps=1
     x2d = x2d.contiguous()
     hsum = torch.empty_like(x2d) if residual is not None else None
     q = torch.empty(m, h, dtype=E4M3.dtype, device=dev)
-    e = torch.empty(m, h // aq.GROUP, dtype=torch.uint8, device=dev)
+    e = torch.empty(m, h // aq.GROUP, dtype=aq.SCALE_DTYPE, device=dev)
     mean = None if is_rms else torch.empty(m, dtype=torch.float32, device=dev)
     rstd = torch.empty(m, dtype=torch.float32, device=dev)
     bh = triton.next_power_of_2(h)

@@ -44,7 +44,7 @@ def _act_fwd_kernel(x_ptr, q_ptr, e_ptr, y_ptr, M, K, ACT: tl.constexpr, BM: tl.
     q, e, xd = aq.quantize_groups(x, BM, BK, 448.0, False)
     tl.store(q_ptr + offs, q, mask=mask)
     gcols = pid_k * (BK // 16) + tl.arange(0, BK // 16)
-    tl.store(e_ptr + rows[:, None] * (K // 16) + gcols[None, :], e.to(tl.uint8),
+    tl.store(e_ptr + rows[:, None] * (K // 16) + gcols[None, :], e.to(tl.bfloat16),
              mask=(rows[:, None] < M) & (gcols[None, :] < K // 16))
     tl.store(y_ptr + offs, _act(xd, ACT).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -59,7 +59,7 @@ def _act_bwd_kernel(q_ptr, e_ptr, dy_ptr, dx_ptr, M, K, ACT: tl.constexpr, BM: t
     q = tl.load(q_ptr + offs, mask=mask, other=0.0)
     gcols = pid_k * (BK // 16) + tl.arange(0, BK // 16)
     e = tl.load(e_ptr + rows[:, None] * (K // 16) + gcols[None, :],
-                mask=(rows[:, None] < M) & (gcols[None, :] < K // 16), other=127).to(tl.int32)
+                mask=(rows[:, None] < M) & (gcols[None, :] < K // 16), other=1.0).to(tl.float32)
     xd = aq.dequantize_groups(q, e, BM, BK)
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(dx_ptr + offs, (dy * _act_grad(xd, ACT)).to(dx_ptr.dtype.element_ty), mask=mask)
@@ -88,7 +88,7 @@ def _act_id(name):
 
 
 def act_forward(x, name, *, triton_kernels=None):
-    """x [..., K] -> (y in x's dtype, q fp8, e uint8): y = act(dequantized 1x16 E4M3 copy of x)."""
+    """x [..., K] -> (y in x's dtype, q fp8, e bf16): y = act(dequantized 1x16 E4M3 copy of x)."""
     act = _act_id(name)
     if not (aq.use_triton(x) if triton_kernels is None else triton_kernels):
         q, e = aq.group_quantize_ref(x, E4M3)
@@ -98,7 +98,7 @@ def act_forward(x, name, *, triton_kernels=None):
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
     q = torch.empty(x2.shape, dtype=E4M3.dtype, device=x.device)
-    e = torch.empty(m, k // aq.GROUP, dtype=torch.uint8, device=x.device)
+    e = torch.empty(m, k // aq.GROUP, dtype=aq.SCALE_DTYPE, device=x.device)
     y = torch.empty_like(x2)
     if m:
         _act_fwd_kernel[(triton.cdiv(m, BM), triton.cdiv(k, BK))](x2, q, e, y, m, k, ACT=act, BM=BM, BK=BK)

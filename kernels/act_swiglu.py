@@ -49,8 +49,8 @@ def _swiglu_fwd_kernel(x_ptr, q_ptr, e_ptr, out_ptr, partial_ptr, M, F, WRITE_OU
     gcols = pid_f * (BF // 16) + tl.arange(0, BF // 16)
     emask = (rows[:, None] < M) & (gcols[None, :] < F // 16)
     eoffs = rows[:, None] * (2 * F // 16) + gcols[None, :]
-    tl.store(e_ptr + eoffs, ge.to(tl.uint8), mask=emask)
-    tl.store(e_ptr + eoffs + F // 16, ue.to(tl.uint8), mask=emask)
+    tl.store(e_ptr + eoffs, ge.to(tl.bfloat16), mask=emask)
+    tl.store(e_ptr + eoffs + F // 16, ue.to(tl.bfloat16), mask=emask)
     p = gd * _sigmoid(gd) * ud
     tl.store(partial_ptr + pid_m * tl.num_programs(1) + pid_f, aq.tile_amax(p, mask))
     if WRITE_OUT:
@@ -138,7 +138,7 @@ def _check(x):
 
 
 def swiglu_forward(x2d, *, write_out=False, triton_kernels=None):
-    """x [M, 2F] -> (q fp8 [M, 2F], e uint8 [M, 2F/16], partial amax of the product, y [M, F] | None)."""
+    """x [M, 2F] -> (q fp8 [M, 2F], e bf16 [M, 2F/16], partial amax of the product, y [M, F] | None)."""
     _check(x2d)
     if not (aq.use_triton(x2d) if triton_kernels is None else triton_kernels):
         q, e = aq.group_quantize_ref(x2d, E4M3)
@@ -148,7 +148,7 @@ def swiglu_forward(x2d, *, write_out=False, triton_kernels=None):
     f = f2 // 2
     x2d = x2d.contiguous()
     q = torch.empty(m, f2, dtype=E4M3.dtype, device=x2d.device)
-    e = torch.empty(m, f2 // aq.GROUP, dtype=torch.uint8, device=x2d.device)
+    e = torch.empty(m, f2 // aq.GROUP, dtype=aq.SCALE_DTYPE, device=x2d.device)
     out = torch.empty(m, f, dtype=x2d.dtype, device=x2d.device) if write_out else None
     bm, bf = _tiles(f)
     grid = (triton.cdiv(m, bm), f // bf)

@@ -44,21 +44,23 @@ def test_group_quantize_triton_matches_reference(fmt):
     x[11, 16:32] = 0.0
     q_ref, e_ref = aq.group_quantize(x, fmt, triton_kernels=False)
     q_tri, e_tri = aq.group_quantize(x, fmt, triton_kernels=True)
-    assert torch.equal(e_ref, e_tri)
-    good = (e_ref != aq.NO_SCALE).repeat_interleave(16, -1)
+    assert same(e_ref, e_tri) and e_tri.dtype == torch.bfloat16
+    good = (~e_ref.float().isnan()).repeat_interleave(16, -1)
     assert same(q_ref.float()[good], q_tri.float()[good])  # interpreter: NaN -> e4m3 is 384, scale NaN anyway
-    d_ref = aq.group_dequantize(q_ref, e_ref, triton_kernels=False)
-    d_tri = aq.group_dequantize(q_tri, e_tri, triton_kernels=True)
+    d_ref = aq.group_dequantize(q_ref, e_ref, torch.float32, triton_kernels=False)
+    d_tri = aq.group_dequantize(q_tri, e_tri, torch.float32, triton_kernels=True)
     assert same(d_ref, d_tri)
+    b_ref = aq.group_dequantize(q_ref, e_ref, triton_kernels=False)
+    b_tri = aq.group_dequantize(q_tri, e_tri, triton_kernels=True)  # bf16: the interpreter truncates
+    assert torch.allclose(b_ref.float(), b_tri.float(), rtol=2 ** -7, atol=0, equal_nan=True)
 
 
-def test_group_scales_are_powers_of_two_covering_amax_and_bounded_error():
+def test_group_scales_are_bf16_rounded_up_and_error_is_bounded():
     x = spread(64, 128)
     q, e = aq.group_quantize(x, E4M3)
-    scale = aq.decode_group_exponent_ref(e)
+    scale = e.float()
     amax = x.float().reshape(64, 8, 16).abs().amax(-1)
-    assert torch.equal(scale, torch.exp2(torch.log2(scale).round()))
-    assert bool((amax / scale <= 448).all()) and bool((amax / scale > 224).all())
+    assert bool((amax / scale <= 448).all()) and bool((amax / scale > 448 * (1 - 2 ** -7)).all())
     d = aq.group_dequantize(q, e, torch.float32)
     big = x.float().abs() >= scale.repeat_interleave(16, -1) * 2.0 ** -6  # normal range of E4M3
     rel = ((d - x.float()).abs() / x.float().abs())[big]
@@ -72,7 +74,7 @@ def test_group_quantize_special_groups():
     x[2, 33] = float("inf")
     q, e = aq.group_quantize(x, E4M3)
     d = aq.group_dequantize(q, e, torch.float32)
-    assert e[0, 0].item() == 127 and bool((d[0, :16] == 0).all())
+    assert e[0, 0].item() == 1.0 and bool((d[0, :16] == 0).all())
     assert bool(d[1, 16:32].isnan().all()) and bool(d[2, 32:48].isnan().all())
     assert int(d.isnan().sum()) == 32  # only the two groups holding Inf/NaN
     with pytest.raises(ValueError, match="multiple of 16"):
