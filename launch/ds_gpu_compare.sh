@@ -9,6 +9,7 @@ OUT=${1:?usage: ds_gpu_compare.sh OUT_DIR [STEPS] [MODEL] [SEQ_LEN]}
 STEPS=${2:-200}
 MODEL=${3:-tinyllama-1b}
 SEQ=${4:-2048}
+LR=${LR:-3e-4}
 PY=${PYTHON:-python3}
 RUN_TIMEOUT=${RUN_TIMEOUT:-170}
 mkdir -p "$OUT"
@@ -17,7 +18,7 @@ cd "$(dirname "$0")/.."
 mkdir -p /tmp/coat_path && ln -sfn "$PWD/kernels" /tmp/coat_path/coat_kernels
 export PYTHONPATH=/tmp/coat_path:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}  # 9.0a breaks DeepSpeed's op builder
-COMMON=(--model "$MODEL" --seq-len "$SEQ" --global-batch 8 --steps "$STEPS" --lr 3e-4 --seed 1234)
+COMMON=(--model "$MODEL" --seq-len "$SEQ" --global-batch 8 --steps "$STEPS" --lr "$LR" --seed 1234)
 
 run() {  # run NAME GPUS NPROC PORT CONFIG
   local name=$1 gpus=$2 nproc=$3 port=$4 config=$5 rc=0
@@ -34,3 +35,4 @@ run adamw_1gpu 0 1 29611 configs/ds_zero2_adamw_bf16.json &
 run coat_1gpu 1 1 29612 configs/ds_zero2_coat.json &
 wait
 run coat_2gpu 0,1 2 29613 configs/ds_zero2_coat.json
+"$PY" launch/ds_curves.py "$OUT" 20 2>&1 | tee "$OUT/curves.txt"
