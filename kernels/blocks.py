@@ -77,8 +77,10 @@ def _weight_rows(weight, cache):
     return w8, scale
 
 
-def _weight_transposed(weight, scale, cache):
-    if cache is not None and cache.holds(weight):
+def _weight_transposed(weight, scale, cache, forward_scale):
+    """W^T as E4M3 with the forward's scale: the cache's copy only if it still holds the forward's quantization
+    (a later micro-batch's forward may have refilled it), else re-cast."""
+    if cache is not None and cache.holds(weight) and cache.scale is forward_scale:
         return cache.transposed(weight)[0]
     return aq.cast(weight.detach(), scale, E4M3, write_row=False, write_t=True)[1]
 
@@ -95,7 +97,8 @@ def _linear_backward(ctx, dy, weight, w_scale, in_scale, in_t_fn, need_dx):
                                               partial=aq.take_partials(dy))
     dx = dw = db = None
     if need_dx:
-        dx = fp8_gemm(dy8, _weight_transposed(weight, w_scale, ctx.cache), dy_scale, w_scale, ctx.out_dtype)
+        w8_t = _weight_transposed(weight, w_scale, ctx.cache, ctx.forward_w_scale)
+        dx = fp8_gemm(dy8, w8_t, dy_scale, w_scale, ctx.out_dtype)
     if need_dw:
         dw = fp8_gemm(dy8_t, in_t_fn(), dy_scale, in_scale, weight.dtype)
     if ctx.has_bias and ctx.needs_input_grad[ctx.weight_index + 1]:
@@ -111,6 +114,7 @@ class _Fp8Linear(torch.autograd.Function):
         x2 = x.reshape(-1, k)
         x8, x8_t, x_scale = aq.quantize_tensor(x2, E4M3, write_t=not reuse_input)
         w8, w_scale = _weight_rows(weight, cache)
+        ctx.forward_w_scale = w_scale  # identity check against the cache in backward
         ctx.out_dtype, ctx.cache, ctx.reuse_input, ctx.weight_index = _out_dtype(x), cache, reuse_input, 1
         ctx.has_bias, ctx.bias_dtype = bias is not None, (bias.dtype if bias is not None else None)
         ctx.save_for_backward(x if reuse_input else x8_t, weight, x_scale, w_scale)
@@ -152,6 +156,7 @@ class _Fp8NormLinear(torch.autograd.Function):
         y_scale = aq.finalize_scale(partial, E4M3)
         y8, _ = act_norm.norm_cast(q, e, mean, rstd, norm_weight, norm_bias, y_scale, zero_centered=zero_centered)
         w8, w_scale = _weight_rows(weight, cache)
+        ctx.forward_w_scale = w_scale  # identity check against the cache in backward
         ctx.out_dtype, ctx.cache, ctx.weight_index, ctx.zero_centered = _out_dtype(x), cache, 4, zero_centered
         ctx.has_bias, ctx.bias_dtype = bias is not None, (bias.dtype if bias is not None else None)
         ctx.has_residual, ctx.shape = residual is not None, x.shape
@@ -209,6 +214,7 @@ class _Fp8SwigluLinear(torch.autograd.Function):
         p_scale = aq.finalize_scale(partial, E4M3)
         p8, _ = act_swiglu.swiglu_cast(q, e, p_scale)
         w8, w_scale = _weight_rows(weight, cache)
+        ctx.forward_w_scale = w_scale  # identity check against the cache in backward
         ctx.out_dtype, ctx.cache, ctx.weight_index, ctx.shape, ctx.x_dtype = _out_dtype(x), cache, 1, x.shape, x.dtype
         ctx.has_bias, ctx.bias_dtype = bias is not None, (bias.dtype if bias is not None else None)
         ctx.save_for_backward(q, e, weight, p_scale, w_scale)

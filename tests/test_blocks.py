@@ -213,6 +213,17 @@ def test_weight_cache_quantizes_once_per_step(backend, monkeypatch):
     y1 = blocks.fp8_linear(xs[0], w, weight_cache=cache)
     assert calls.count((32, 64)) == 2  # re-quantized once after the step
     assert torch.equal(y1, blocks.fp8_linear(xs[0], w))
+    # pipelined micro-batches: another forward refills the cache before this backward (Megatron invalidates it
+    # per forward when it cannot tell weight generations apart); the backward still uses its own quantization
+    w.grad = None
+    y1 = blocks.fp8_linear(xs[0], w, weight_cache=cache)
+    cache.invalidate()
+    blocks.fp8_linear(xs[1], w, weight_cache=cache)
+    y1.sum().backward()
+    g_pipelined = w.grad.clone()
+    w.grad = None
+    blocks.fp8_linear(xs[0], w).sum().backward()
+    assert torch.equal(g_pipelined, w.grad)
 
 
 class TinyLlama(torch.nn.Module):
