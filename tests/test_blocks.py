@@ -216,14 +216,15 @@ def test_weight_cache_quantizes_once_per_step(backend, monkeypatch):
     # pipelined micro-batches: another forward refills the cache before this backward (Megatron invalidates it
     # per forward when it cannot tell weight generations apart); the backward still uses its own quantization
     w.grad = None
-    y1 = blocks.fp8_linear(xs[0], w, weight_cache=cache)
+    x0 = xs[0].clone().requires_grad_()
+    y1 = blocks.fp8_linear(x0, w, weight_cache=cache)
     cache.invalidate()
     blocks.fp8_linear(xs[1], w, weight_cache=cache)
     y1.sum().backward()
-    g_pipelined = w.grad.clone()
-    w.grad = None
-    blocks.fp8_linear(xs[0], w).sum().backward()
-    assert torch.equal(g_pipelined, w.grad)
+    grads = (w.grad.clone(), x0.grad.clone())
+    w.grad = x0.grad = None
+    blocks.fp8_linear(x0, w).sum().backward()
+    assert torch.equal(grads[0], w.grad) and torch.equal(grads[1], x0.grad)
 
 
 class TinyLlama(torch.nn.Module):
