@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from . import act_quant as aq
-from .formats import E4M3, E5M2, get_format
+from .formats import E4M3
 
 
 @triton.jit

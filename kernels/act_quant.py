@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import E4M3, E5M2, get_format
+from .formats import E5M2, get_format
 from .triton_fp8 import round_to_fp8_grid, to_e4m3, to_e5m2
 
 GROUP = 16
