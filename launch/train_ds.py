@@ -184,6 +184,8 @@ def main(argv=None):
         print("SUMMARY " + json.dumps(summary), flush=True)
     if csv:
         csv.close()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def open_csv(path):

@@ -33,6 +33,16 @@ def start_rank(rank: int, world: int, rendezvous_file: str, timeout_s: int = 300
     init_deepspeed_distributed(init_method=f"file://{rendezvous_file}", rank=rank, world_size=world)
 
 
+def finish_rank() -> None:
+    """Leave together and tear gloo down before the process exits (exiting with it alive can abort the process:
+    'terminate called without an active exception')."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def init_deepspeed_distributed(init_method=None, rank=-1, world_size=-1) -> None:
     import deepspeed
 

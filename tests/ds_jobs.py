@@ -162,6 +162,7 @@ def stages_worker(rank, world, rendezvous, out_dir):
     if rank == 0:
         with open(os.path.join(out_dir, "stages.txt"), "w") as f:
             f.writelines(f"{r}\n" for r in report)
+    H.finish_rank()
 
 
 def compare_with_reference(engine, stage, dtype, numels, rank, world, snapshot, exact, label):
@@ -282,6 +283,7 @@ def checkpoint_worker(rank, world, rendezvous, ck_dir):
         del e1, e2
 
     nonfinite_gradients(rank, tdt=torch.bfloat16)
+    H.finish_rank()
 
 
 def nonfinite_gradients(rank, tdt):
@@ -360,6 +362,7 @@ def one_rank_worker(rank, world, rendezvous, ck_dir):
         optimizer=lambda params: coat_ds.CoatFP8AdamW(params, lr=1e-2))[0]
     train(client_callable, 2, rank, torch.float32)
     assert float(flat_state(client_callable)[1]["step"]) == 2.0
+    H.finish_rank()
 
 
 def load_universal_and_check(ck_dir, tag, expected_file, numels, rank, world, next_step, stage=2, dtype="bf16"):
