@@ -58,9 +58,7 @@ def _norm_fwd_kernel(x_ptr, res_ptr, h_ptr, q_ptr, e_ptr, mean_ptr, rstd_ptr, pa
         x = h.to(tl.float32)
     q, e, xd = aq.quantize_groups(x, BM, BH, 448.0, False)
     tl.store(q_ptr + offs, q, mask=mask)
-    gcols = tl.arange(0, BH // 16)
-    tl.store(e_ptr + rows[:, None].to(tl.int64) * (H // 16) + gcols[None, :], e.to(tl.bfloat16),
-             mask=(rows[:, None] < M) & (gcols[None, :] < H // 16))
+    aq.store_group_scales(e_ptr, e, rows.to(tl.int64), 0, M, H, BH)
     if IS_RMS:
         mean = tl.zeros((BM,), tl.float32)
         var = tl.sum(xd * xd, axis=1) / H
@@ -103,7 +101,6 @@ def _norm_bwd_kernel(q_ptr, e_ptr, mean_ptr, rstd_ptr, w_ptr, dy_ptr, dres_ptr, 
                      ZERO_CENTERED: tl.constexpr, ROWS: tl.constexpr, BH: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BH)
-    gcols = tl.arange(0, BH // 16)
     w, _ = _load_gamma(w_ptr, w_ptr, cols, H, False, ZERO_CENTERED)
     dw = tl.zeros((1, BH), tl.float32)
     db = tl.zeros((1, BH), tl.float32)
@@ -114,8 +111,7 @@ def _norm_bwd_kernel(q_ptr, e_ptr, mean_ptr, rstd_ptr, w_ptr, dy_ptr, dres_ptr, 
         mask = (rows[:, None] < M) & (cols[None, :] < H)
         offs = rows[:, None].to(tl.int64) * H + cols[None, :]
         q = tl.load(q_ptr + offs, mask=mask, other=0.0)
-        e = tl.load(e_ptr + rows[:, None].to(tl.int64) * (H // 16) + gcols[None, :],
-                    mask=(rows[:, None] < M) & (gcols[None, :] < H // 16), other=1.0).to(tl.float32)
+        e = aq.load_group_scales(e_ptr, rows.to(tl.int64), 0, M, H, BH)
         xd = aq.dequantize_groups(q, e, 1, BH)
         rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)

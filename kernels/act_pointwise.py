@@ -43,9 +43,7 @@ def _act_fwd_kernel(x_ptr, q_ptr, e_ptr, y_ptr, M, K, ACT: tl.constexpr, BM: tl.
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     q, e, xd = aq.quantize_groups(x, BM, BK, 448.0, False)
     tl.store(q_ptr + offs, q, mask=mask)
-    gcols = pid_k * (BK // 16) + tl.arange(0, BK // 16)
-    tl.store(e_ptr + rows[:, None] * (K // 16) + gcols[None, :], e.to(tl.bfloat16),
-             mask=(rows[:, None] < M) & (gcols[None, :] < K // 16))
+    aq.store_group_scales(e_ptr, e, rows, pid_k, M, K, BK)
     tl.store(y_ptr + offs, _act(xd, ACT).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -57,9 +55,7 @@ def _act_bwd_kernel(q_ptr, e_ptr, dy_ptr, dx_ptr, M, K, ACT: tl.constexpr, BM: t
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     offs = rows[:, None] * K + cols[None, :]
     q = tl.load(q_ptr + offs, mask=mask, other=0.0)
-    gcols = pid_k * (BK // 16) + tl.arange(0, BK // 16)
-    e = tl.load(e_ptr + rows[:, None] * (K // 16) + gcols[None, :],
-                mask=(rows[:, None] < M) & (gcols[None, :] < K // 16), other=1.0).to(tl.float32)
+    e = aq.load_group_scales(e_ptr, rows, pid_k, M, K, BK)
     xd = aq.dequantize_groups(q, e, BM, BK)
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(dx_ptr + offs, (dy * _act_grad(xd, ACT)).to(dx_ptr.dtype.element_ty), mask=mask)

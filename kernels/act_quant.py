@@ -128,6 +128,25 @@ def store_cast(y, rows, cols, scale, out_ptr, out_t_ptr, M, N, M_PAD,
 
 # ----------------------------------------------------------------------------------------------- Triton kernels
 @triton.jit
+def _group_scale_tile(rows, pid_k, M, K, BK: tl.constexpr):
+    """Offsets and mask of the 1x16 group scales of a [rows, BK] tile at column block pid_k of an [M, K] tensor."""
+    gcols = pid_k * (BK // 16) + tl.arange(0, BK // 16)
+    return rows[:, None] * (K // 16) + gcols[None, :], (rows[:, None] < M) & (gcols[None, :] < K // 16)
+
+
+@triton.jit
+def store_group_scales(e_ptr, e, rows, pid_k, M, K, BK: tl.constexpr):
+    offs, mask = _group_scale_tile(rows, pid_k, M, K, BK)
+    tl.store(e_ptr + offs, e.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def load_group_scales(e_ptr, rows, pid_k, M, K, BK: tl.constexpr):
+    offs, mask = _group_scale_tile(rows, pid_k, M, K, BK)
+    return tl.load(e_ptr + offs, mask=mask, other=1.0).to(tl.float32)
+
+
+@triton.jit
 def _group_quant_kernel(x_ptr, q_ptr, e_ptr, partial_ptr, M, K,
                         FP8_MAX: tl.constexpr, E5M2_OUT: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
                         BM: tl.constexpr, BK: tl.constexpr):
@@ -138,9 +157,7 @@ def _group_quant_kernel(x_ptr, q_ptr, e_ptr, partial_ptr, M, K,
     x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     q, e, _ = quantize_groups(x, BM, BK, FP8_MAX, E5M2_OUT)
     tl.store(q_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
-    gcols = pid_k * (BK // 16) + tl.arange(0, BK // 16)
-    tl.store(e_ptr + rows[:, None] * (K // 16) + gcols[None, :], e.to(tl.bfloat16),
-             mask=(rows[:, None] < M) & (gcols[None, :] < K // 16))
+    store_group_scales(e_ptr, e, rows, pid_k, M, K, BK)
     if WRITE_PARTIAL:
         tl.store(partial_ptr + pid_m * tl.num_programs(1) + pid_k, tile_amax(x, mask))
 
@@ -152,9 +169,7 @@ def _group_dequant_kernel(q_ptr, e_ptr, y_ptr, M, K, BM: tl.constexpr, BK: tl.co
     cols = pid_k * BK + tl.arange(0, BK)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     q = tl.load(q_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0)
-    gcols = pid_k * (BK // 16) + tl.arange(0, BK // 16)
-    e = tl.load(e_ptr + rows[:, None] * (K // 16) + gcols[None, :],
-                mask=(rows[:, None] < M) & (gcols[None, :] < K // 16), other=1.0).to(tl.float32)
+    e = load_group_scales(e_ptr, rows, pid_k, M, K, BK)
     y = dequantize_groups(q, e, BM, BK)
     tl.store(y_ptr + rows[:, None] * K + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
