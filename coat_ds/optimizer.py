@@ -61,10 +61,16 @@ class CoatFP8AdamW(torch.optim.Optimizer):
             _validate_group(group)
         self.nonfinite = nonfinite
         self.backend = backend
+        from coat_kernels.dre_triton import supports_group_size
+
+        # Kernels need a power-of-two group_size >= 4; otherwise "auto" steps with the reference on the device.
+        self._kernel_group_size = all(supports_group_size(g["group_size"]) for g in self.param_groups)
+        if backend == "triton" and not self._kernel_group_size:
+            raise ValueError("backend='triton' needs a power-of-two group_size >= 4 in every param group")
         # The params as handed in, before a ZeRO wrapper swaps in flat partitions (keyed by group identity).
         self._lp_params = {id(g): list(g["params"]) for g in self.param_groups}
         self._layouts: dict[torch.Tensor, GroupLayout] = {}
-        self._rows_cache: dict = {}
+        self._launchers: dict = {}  # FusedAdamW per list of layouts
         self._skipped: dict[torch.device, torch.Tensor] = {}
 
     # ---- public helpers -------------------------------------------------------------------------------------
@@ -103,6 +109,7 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         m_cfg, v_cfg = _moment_configs(group)
         beta1, beta2 = group["betas"]
         by_kernel: dict = {}
+        scalars_by_step: dict[float, AdamWScalars] = {}
         for p in params:
             _check_tensors(p)
             state = self.state[p]
@@ -110,17 +117,21 @@ class CoatFP8AdamW(torch.optim.Optimizer):
                 self._init_state(p, group, m_cfg, v_cfg)
             layout = self._layout(p, state)
             state["step"] += 1
-            scalars = AdamWScalars.make(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                                        float(state["step"]))
+            step = float(state["step"])
+            if step not in scalars_by_step:
+                scalars_by_step[step] = AdamWScalars.make(group["lr"], beta1, beta2, group["eps"],
+                                                          group["weight_decay"], step)
+            scalars = scalars_by_step[step]
             grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
             if self._use_triton(p):
-                by_kernel.setdefault((p.device, p.dtype, grad.dtype), []).append((p, grad, state, layout, scalars))
+                key = (p.device, p.dtype, grad.dtype, layout.group_size)
+                by_kernel.setdefault(key, []).append((p, grad, state, layout, scalars))
             else:
                 skipped = reference.fused_adamw_step(p, grad, state["exp_avg_q"], state["exp_avg_meta"],
                                                      state["exp_avg_sq_q"], state["exp_avg_sq_meta"], layout,
                                                      scalars, m_cfg, v_cfg)
                 self._counter(p.device).add_(skipped)
-        for (device, _, _), items in by_kernel.items():
+        for (device, *_), items in by_kernel.items():
             self._launch(device, items, m_cfg, v_cfg)
 
     def _launch(self, device, items, m_cfg, v_cfg):
@@ -128,19 +139,16 @@ class CoatFP8AdamW(torch.optim.Optimizer):
 
         layouts = [it[3] for it in items]
         key = tuple(id(lay) for lay in layouts)
-        if key not in self._rows_cache:
-            rows = dre_triton.rows_for(layouts)
-            aligned = bool((rows[:, 1] % 16 == 0).all()) if len(rows) else True
-            self._rows_cache[key] = (layouts, rows.to(device), aligned)
-        _, rows, aligned = self._rows_cache[key]
+        if key not in self._launchers:
+            self._launchers[key] = dre_triton.FusedAdamW(layouts, device)
         states = [it[2] for it in items]
-        dre_triton.fused_adamw(rows, aligned, [it[0] for it in items], [it[1] for it in items],
-                               [s["exp_avg_q"] for s in states], [s["exp_avg_meta"] for s in states],
-                               [s["exp_avg_sq_q"] for s in states], [s["exp_avg_sq_meta"] for s in states],
-                               layouts, [it[4] for it in items], m_cfg, v_cfg, self._counter(device))
+        self._launchers[key]([it[0] for it in items], [it[1] for it in items],
+                             [s["exp_avg_q"] for s in states], [s["exp_avg_meta"] for s in states],
+                             [s["exp_avg_sq_q"] for s in states], [s["exp_avg_sq_meta"] for s in states],
+                             [it[4] for it in items], m_cfg, v_cfg, self._counter(device))
 
     def _use_triton(self, p):
-        return self.backend == "triton" or (self.backend == "auto" and p.is_cuda)
+        return self.backend == "triton" or (self.backend == "auto" and p.is_cuda and self._kernel_group_size)
 
     def _counter(self, device):
         if device not in self._skipped:
@@ -191,7 +199,7 @@ class CoatFP8AdamW(torch.optim.Optimizer):
             for key, value in tensors.items():
                 self.state[p][key] = value.to(p.device)
         self._layouts.clear()
-        self._rows_cache.clear()
+        self._launchers.clear()
 
 
 def new_state(p, segments: torch.Tensor, layout: GroupLayout, m_cfg: DREConfig, v_cfg: DREConfig,
@@ -220,8 +228,9 @@ def dequantize_state_entry(entry: dict) -> dict:
     out = {}
     for key in ("exp_avg", "exp_avg_sq"):
         codes, meta = entry[key + "_q"], entry[key + "_meta"]
-        if codes.is_cuda:
-            from coat_kernels import dre_triton
+        from coat_kernels import dre_triton
+
+        if codes.is_cuda and dre_triton.supports_group_size(layout.group_size):
             out[key] = dre_triton.dequantize(codes, meta, layout)
         else:
             out[key] = reference.dequantize(codes, meta.to(codes.device), layout)

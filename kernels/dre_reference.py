@@ -8,8 +8,9 @@ Everything is evaluated in the log domain with portable_math's log2/exp2: per gr
 (k, log2 c, log2 (M/c)^k) = (k, log2 c, log2(s Q)), fp32 [3, n_groups]; then
 code = exp2(k log2|x| - (log2(sQ) - log2 Q + k log2 c)) and x = exp2((log2|q| + log2(sQ) - log2 Q) / k + log2 c).
 This is the CPU path and the oracle of the Triton kernels (`dre_triton.py`), which evaluate the same fp32
-operations in the same order (IEEE division and square root, no FMA contraction): both give the same codes, on the
-GPU and under TRITON_INTERPRET. Per group it costs one division and two logarithms, no square roots.
+operations in the same order (IEEE division and square root, fused multiply-adds only where `pm.fma` is written):
+both give the same codes, on the GPU and under TRITON_INTERPRET. Per group it costs one division and two
+logarithms, no square roots. Magnitudes below fp32's smallest normal (2^-126) count as zero.
 """
 from __future__ import annotations
 
@@ -73,9 +74,9 @@ def _sqrt(x: torch.Tensor) -> torch.Tensor:
 
 
 def group_params(big: torch.Tensor, small: torch.Tensor, cfg: DREConfig) -> torch.Tensor:
-    """Metadata [3, n] (k, log2 c, log2(sQ)) of groups with max |x| `big` and nonzero min |x| `small` (inf if none)."""
+    """Metadata [3, n] (k, log2 c, log2(sQ)) of groups with max |x| `big` and min |x| >= 2^-126 `small` (inf if none)."""
     one = torch.ones_like(big)
-    nonzero = big > 0
+    nonzero = big >= pm.MIN_NORMAL
     log2_big = pm.log2(torch.where(nonzero, big, one))
     log2_small = pm.log2(torch.where(nonzero, small, one))
     if cfg.expand:
@@ -92,7 +93,7 @@ def encode(x: torch.Tensor, meta: torch.Tensor, cfg: DREConfig) -> torch.Tensor:
     """FP8 codes of x [n, G] with its groups' metadata [3, n]."""
     k, log2_center, log2_scale_q = (r[:, None] for r in meta)
     offset = log2_scale_q - cfg.log2_max + k * log2_center
-    y = pm.exp2(k * pm.log2(x.abs()) - offset)
+    y = pm.exp2(pm.fma(k, pm.log2(x.abs()), -offset))
     return cfg.fmt.quantize(torch.where(x < 0, -y, y))
 
 
@@ -103,14 +104,14 @@ def decode(codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     inv_k = torch.ones_like(k) / k
     bias = (log2_scale_q - fmt.log2_max) * inv_k + log2_center
     raw = codes.view(torch.uint8).long()
-    xa = pm.exp2(fmt.log2_table(codes.device)[raw & 0x7F] * inv_k[:, None] + bias[:, None])
+    xa = pm.exp2(pm.fma(fmt.log2_table(codes.device)[raw & 0x7F], inv_k[:, None], bias[:, None]))
     return torch.where(raw >= 128, -xa, xa)
 
 
 def _quantize_rows(x: torch.Tensor, mask: torch.Tensor, cfg: DREConfig):
     """x fp32 [n, G] (masked positions ignored) -> codes fp8 [n, G], meta fp32 [3, n]."""
     ax = x.abs().masked_fill(~mask, 0.0)
-    meta = group_params(ax.amax(dim=1), torch.where(ax > 0, ax, torch.inf).amin(dim=1), cfg)
+    meta = group_params(ax.amax(dim=1), torch.where(ax >= pm.MIN_NORMAL, ax, torch.inf).amin(dim=1), cfg)
     return encode(x, meta, cfg), meta
 
 
@@ -163,11 +164,10 @@ class AdamWScalars:
 
 def adamw_update(p, g, m, v, h: AdamWScalars):
     """One AdamW step on fp32 tensors (any shape). Returns (new p, new m, new v); the same op order as the kernel."""
-    m = m * h.beta1 + g * h.one_minus_beta1
-    v = v * h.beta2 + (g * g) * h.one_minus_beta2
-    p = p * h.decay
-    denom = _sqrt(v) * h.inv_bias_correction2_sqrt + h.eps
-    p = p - h.step_size * (m / denom)
+    m = pm.fma(m, h.beta1, g * h.one_minus_beta1)
+    v = pm.fma(v, h.beta2, (g * g) * h.one_minus_beta2)
+    denom = pm.fma(_sqrt(v), h.inv_bias_correction2_sqrt, h.eps)
+    p = pm.fma(-h.step_size, m / denom, p * h.decay)
     return p, m, v
 
 
@@ -175,8 +175,9 @@ def fused_adamw_step(param, grad, m_codes, m_meta, v_codes, v_meta, layout: Grou
                      m_cfg: DREConfig, v_cfg: DREConfig, skip_nonfinite: bool = True) -> torch.Tensor:
     """In place: dequantize moments, AdamW, re-quantize; only elements inside groups change.
 
-    Groups whose gradient holds NaN/Inf keep their parameters, codes and metadata when skip_nonfinite.
-    Returns the number of skipped groups (0-dim int64 tensor, on param's device).
+    Groups whose new second moment is not finite (a NaN/Inf gradient, or one whose square overflows fp32) keep
+    their parameters, codes and metadata when skip_nonfinite. Returns the number of skipped groups (0-dim int64
+    tensor, on param's device).
     """
     index, mask = _group_index(layout, param.device)
     p_flat, g_flat = param.view(-1), grad.reshape(-1)
@@ -187,7 +188,8 @@ def fused_adamw_step(param, grad, m_codes, m_meta, v_codes, v_meta, layout: Grou
     p, m, v = adamw_update(p, g, m, v, h)
     mq, new_m_meta = _quantize_rows(m, mask, m_cfg)
     vq, new_v_meta = _quantize_rows(v, mask, v_cfg)
-    bad = ~torch.isfinite(g).all(dim=1) if skip_nonfinite else torch.zeros(len(g), dtype=torch.bool, device=g.device)
+    bad = (~torch.isfinite(v) & mask).any(dim=1) if skip_nonfinite else torch.zeros(len(g), dtype=torch.bool,
+                                                                                   device=g.device)
     write = mask & ~bad[:, None]
     idx = index[write]
     p_flat[idx] = p[write].to(p_flat.dtype)

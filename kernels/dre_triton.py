@@ -1,11 +1,15 @@
 """Triton kernels: FP8 group quantization with Dynamic Range Expansion, and the fused multi-tensor AdamW step.
 
-Same math and operation order as `dre_reference.py` (IEEE div/sqrt, portable_math's log2/exp2, FMA contraction
-off), so codes match the reference bit for bit on the GPU and under TRITON_INTERPRET.
+Same math and operation order as `dre_reference.py` (IEEE div/sqrt, portable_math's log2/exp2/fma, no other FMA
+contraction), so codes match the reference bit for bit on the GPU and under TRITON_INTERPRET.
 
-One program handles a tile [groups, 128] of one run (`GroupLayout.rows`); a launch covers many tensors through a
-pointer table, with no host synchronisation. Tried and measured slower on the H100 (BENCHMARKS.md): a thread per
-group (3x, strided loads do not coalesce), more groups or warps per program, a persistent grid (+17%).
+The fused AdamW step works on rows of GROUPS_PER_PROGRAM groups (`GroupLayout.rows`) of many tensors at once,
+through a pointer table, with no host synchronisation. Its body (`_adamw_row`) is shared by two entry points that
+differ only in how a row's elements are spread over threads: on CUDA a Gluon kernel with an explicit layout
+(THREADS_PER_GROUP threads per group, 4 contiguous elements per load), so each thread computes its group's
+metadata once per 8 elements instead of once per 4 as Triton's own layout does; under TRITON_INTERPRET (which
+cannot run Gluon) the Triton kernel. Rows whose groups are all full take an unmasked, vectorized path.
+Measured alternatives are in BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -16,38 +20,45 @@ import triton.language as tl
 from .dre_reference import LOG2_RATIO_EPS, AdamWScalars, DREConfig, f32
 from .formats import get_format
 from .grouping import GroupLayout
-from .portable_math import exp2_p, log2_p
-from .triton_fp8 import to_e4m3, to_e5m2
+from .portable_math import exp2_p, fma_p, log2_p
+from .triton_fp8 import INTERPRET, to_e4m3, to_e5m2
 
-GROUPS_PER_PROGRAM = 1  # fused AdamW tile [groups, 128]: 1 group x 1 warp was the fastest on the H100
-NUM_WARPS = 1
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+except ImportError:  # older Triton: the Triton kernel runs on CUDA too
+    gluon = None
+
+GROUPS_PER_PROGRAM = 4  # fused AdamW: groups per row (one program), at least (see launch_shape)
+NUM_WARPS = 2
+THREADS_PER_GROUP = 16  # Gluon layout: 16 threads x 2 loads of 4 elements per group of 128
 TILE_GROUPS = 8  # standalone quantize/dequantize: groups per program
 LOG2_RATIO_EPS_C: tl.constexpr = tl.constexpr(LOG2_RATIO_EPS)
+MIN_NORMAL: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # 2^-126: smaller magnitudes count as zero
 
 
 @triton.jit
 def _group_params(big, small, EXPAND: tl.constexpr, NUM: tl.constexpr, INV_EMIN: tl.constexpr, KMAX: tl.constexpr):
     """See dre_reference.group_params: (k, log2 center, log2(scale * Q)) per group."""
-    one = tl.full(big.shape, 1.0, tl.float32)
-    nonzero = big > 0
+    nonzero = big >= MIN_NORMAL
     log2_big = log2_p(tl.where(nonzero, big, 1.0))
     log2_small = log2_p(tl.where(nonzero, small, 1.0))
     if EXPAND:
         log2_ratio = log2_big - log2_small
-        k = tl.floor(tl.math.div_rn(one * NUM, log2_ratio)) * INV_EMIN
+        k = tl.floor(tl.math.div_rn(tl.where(nonzero, NUM, NUM), log2_ratio)) * INV_EMIN
         k = tl.where(log2_ratio <= LOG2_RATIO_EPS_C, 1.0, tl.minimum(tl.maximum(k, 1.0), KMAX))
         log2_center = (log2_big + log2_small) * 0.5
-    else:
-        k = one
-        log2_center = one * 0.0
+    else:  # tl.where instead of tl.full: Gluon's full needs a layout
+        k = tl.where(nonzero, 1.0, 1.0)
+        log2_center = tl.where(nonzero, 0.0, 0.0)
     return k, log2_center, k * (log2_big - log2_center)
 
 
 @triton.jit
 def _encode(x, k, log2_center, log2_scale_q, E5M2: tl.constexpr, LOG2_MAX: tl.constexpr):
-    """FP8 codes of x given its group's metadata (already broadcast to x's shape); see dre_reference.encode."""
+    """FP8 codes of x given its group's metadata (broadcastable to x's shape); see dre_reference.encode."""
     offset = log2_scale_q - LOG2_MAX + k * log2_center
-    y = exp2_p(k * log2_p(tl.abs(x)) - offset)
+    y = exp2_p(fma_p(k, log2_p(tl.abs(x)), -offset))
     y = tl.where(x < 0, -y, y)
     if E5M2:
         return to_e5m2(y)
@@ -58,7 +69,7 @@ def _encode(x, k, log2_center, log2_scale_q, E5M2: tl.constexpr, LOG2_MAX: tl.co
 @triton.jit
 def _decode(raw, log2_table, inv_k, bias):
     """fp32 values of uint8 codes, given per-group 1/k and bias (broadcast); see dre_reference.decode."""
-    xa = exp2_p(tl.load(log2_table + (raw & 0x7F)) * inv_k + bias)
+    xa = exp2_p(fma_p(tl.load(log2_table + (raw & 0x7F)), inv_k, bias))
     return tl.where(raw >= 128, -xa, xa)
 
 
@@ -97,18 +108,66 @@ def _row_tile(row, GROUP: tl.constexpr, NG: tl.constexpr):
 
 
 @triton.jit
-def _fused_adamw_kernel(
-    rows, tensors, scalars, skipped, m_table, v_table,
+def _max_propagate_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _decode_group_tile(raw, meta, n_groups, gid, gmask, log2_table, LOG2_MAX: tl.constexpr):
+    """Codes [NG, GROUP] of groups `gid` -> fp32 values."""
+    k, log2_center, log2_scale_q = _load_meta(meta, n_groups, gid, gmask)
+    inv_k = tl.math.div_rn(tl.where(gmask, 1.0, 1.0), k)
+    bias = (log2_scale_q - LOG2_MAX) * inv_k + log2_center
+    return _decode(raw, log2_table, inv_k[:, None], bias[:, None])
+
+
+@triton.jit
+def _encode_group_tile(x, ax, big, mask, codes_ptrs, meta, n_groups, gid, gmask, E5M2: tl.constexpr,
+                       EXPAND: tl.constexpr, LOG2_MAX: tl.constexpr, NUM: tl.constexpr, INV_EMIN: tl.constexpr,
+                       KMAX: tl.constexpr):
+    """Quantize fp32 x [NG, GROUP] groupwise, given ax = |x| (0 where masked) and big = its row max: store codes
+    where `mask` and the metadata where `gmask`."""
+    # min |x| >= 2^-126 over unsigned bit patterns: zero and subnormals wrap above every normal (cheaper than a
+    # where; groups with no normal value never use it)
+    key = ax.to(tl.uint32, bitcast=True) - 0x00800000
+    small = (tl.min(key, axis=1) + 0x00800000).to(tl.float32, bitcast=True)
+    k, log2_center, log2_scale_q = _group_params(big, small, EXPAND, NUM, INV_EMIN, KMAX)
+    codes = _encode(x, k[:, None], log2_center[:, None], log2_scale_q[:, None], E5M2, LOG2_MAX)
+    tl.store(codes_ptrs, codes.to(tl.uint8, bitcast=True), mask=mask)
+    _store_meta(meta, n_groups, gid, gmask, k, log2_center, log2_scale_q)
+
+
+@triton.jit
+def _quantize_tile(x, mask, codes_ptrs, meta, n_groups, gid, gmask, E5M2: tl.constexpr, EXPAND: tl.constexpr,
+                   LOG2_MAX: tl.constexpr, NUM: tl.constexpr, INV_EMIN: tl.constexpr, KMAX: tl.constexpr):
+    ax = tl.where(mask, tl.abs(x), 0.0)
+    _encode_group_tile(x, ax, tl.max(ax, axis=1), mask, codes_ptrs, meta, n_groups, gid, gmask, E5M2, EXPAND,
+                       LOG2_MAX, NUM, INV_EMIN, KMAX)
+
+
+@triton.jit
+def _adamw_tile(
+    row, tensors, scalars, skipped, m_table, v_table, local, groups,
     P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
     M_E5M2: tl.constexpr, M_EXPAND: tl.constexpr, M_LOG2_MAX: tl.constexpr, M_NUM: tl.constexpr,
     M_INV_EMIN: tl.constexpr, M_KMAX: tl.constexpr,
     V_E5M2: tl.constexpr, V_EXPAND: tl.constexpr, V_LOG2_MAX: tl.constexpr, V_NUM: tl.constexpr,
     V_INV_EMIN: tl.constexpr, V_KMAX: tl.constexpr,
-    SKIP_NONFINITE: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, ALIGNED: tl.constexpr,
+    SKIP_NONFINITE: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, ALIGNED: tl.constexpr, FULL: tl.constexpr,
 ):
-    row = rows + tl.program_id(0) * 4
+    """One row (tensor, flat_start, numel, first_group): dequantize m and v, AdamW, re-quantize; see
+    dre_reference.fused_adamw_step. FULL: the row's groups are all complete, so loads and stores need no element
+    mask and vectorize (a separate launch: a branch inside the kernel cost 12% on the H200)."""
     t = tl.load(row)
-    start, local, mask, gid, gmask = _row_tile(row + 1, GROUP, NG)
+    start = tl.load(row + 1)
+    numel = tl.load(row + 2).to(tl.int32)
+    first_group = tl.load(row + 3)
+    if FULL:
+        mask = local < NG * GROUP  # all true: folded away
+    else:
+        mask = local < numel
+    gid = first_group + groups
+    gmask = groups * GROUP < numel
     if ALIGNED:
         start = tl.multiple_of(start, 16)
     tab = tensors + t * 8
@@ -119,7 +178,7 @@ def _fused_adamw_kernel(
     m_meta = _ptr(tab, 4, tl.float32, False)
     v_meta = _ptr(tab, 5, tl.float32, False)
     n_groups = tl.load(tab + 6)
-    sc = scalars + t * 8  # AdamWScalars, in field order
+    sc = scalars + tl.load(tab + 7) * 8  # AdamWScalars, in field order
     decay = tl.load(sc)
     step_size = tl.load(sc + 1)
     inv_bc2_sqrt = tl.load(sc + 2)
@@ -135,46 +194,69 @@ def _fused_adamw_kernel(
                            M_LOG2_MAX)
     v = _decode_group_tile(tl.load(vq_ptr + local, mask=mask, other=0), v_meta, n_groups, gid, gmask, v_table,
                            V_LOG2_MAX)
-    m = m * beta1 + g * one_minus_beta1
-    v = v * beta2 + (g * g) * one_minus_beta2
-    p = p * decay
-    denom = tl.math.sqrt_rn(v) * inv_bc2_sqrt + eps
-    p = p - step_size * tl.math.div_rn(m, denom)
+    m = fma_p(m, beta1, g * one_minus_beta1)
+    v = fma_p(v, beta2, (g * g) * one_minus_beta2)
+    denom = fma_p(tl.math.sqrt_rn(v), inv_bc2_sqrt, eps)
+    p = fma_p(-step_size, tl.math.div_rn(m, denom), p * decay)
 
-    if SKIP_NONFINITE:  # groups with NaN/Inf gradients keep everything
-        finite = (g == g) & (tl.abs(g) != float("inf"))
-        bad = tl.max(tl.where(mask & ~finite, 1, 0), axis=1) > 0
+    m_abs = tl.where(mask, tl.abs(m), 0.0)
+    v_abs = tl.where(mask, tl.abs(v), 0.0)
+    v_big = tl.reduce(v_abs, 1, _max_propagate_nan)
+    if SKIP_NONFINITE:  # groups whose new v is NaN/Inf keep everything
+        bad = ~(v_big < float("inf"))
         n_bad = tl.sum(bad.to(tl.int32), axis=0)
         tl.atomic_add(skipped, n_bad, mask=n_bad > 0)
         gmask = gmask & ~bad
         mask = mask & ~bad[:, None]
     tl.store(p_ptr + local, p.to(P_DTYPE), mask=mask)
-    _encode_group_tile(m, mask, mq_ptr + local, m_meta, n_groups, gid, gmask, M_E5M2, M_EXPAND, M_LOG2_MAX, M_NUM,
-                       M_INV_EMIN, M_KMAX)
-    _encode_group_tile(v, mask, vq_ptr + local, v_meta, n_groups, gid, gmask, V_E5M2, V_EXPAND, V_LOG2_MAX, V_NUM,
-                       V_INV_EMIN, V_KMAX)
+    _encode_group_tile(m, m_abs, tl.max(m_abs, axis=1), mask, mq_ptr + local, m_meta, n_groups, gid, gmask,
+                       M_E5M2, M_EXPAND, M_LOG2_MAX, M_NUM, M_INV_EMIN, M_KMAX)
+    _encode_group_tile(v, v_abs, v_big, mask, vq_ptr + local, v_meta, n_groups, gid, gmask, V_E5M2, V_EXPAND,
+                       V_LOG2_MAX, V_NUM, V_INV_EMIN, V_KMAX)
 
 
 @triton.jit
-def _decode_group_tile(raw, meta, n_groups, gid, gmask, log2_table, LOG2_MAX: tl.constexpr):
-    """Codes [NG, GROUP] of groups `gid` -> fp32 values."""
-    k, log2_center, log2_scale_q = _load_meta(meta, n_groups, gid, gmask)
-    inv_k = tl.math.div_rn(tl.full(k.shape, 1.0, tl.float32), k)
-    bias = (log2_scale_q - LOG2_MAX) * inv_k + log2_center
-    return _decode(raw, log2_table, inv_k[:, None], bias[:, None])
+def _fused_adamw_kernel(
+    rows, tensors, scalars, skipped, m_table, v_table,
+    P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
+    M_E5M2: tl.constexpr, M_EXPAND: tl.constexpr, M_LOG2_MAX: tl.constexpr, M_NUM: tl.constexpr,
+    M_INV_EMIN: tl.constexpr, M_KMAX: tl.constexpr,
+    V_E5M2: tl.constexpr, V_EXPAND: tl.constexpr, V_LOG2_MAX: tl.constexpr, V_NUM: tl.constexpr,
+    V_INV_EMIN: tl.constexpr, V_KMAX: tl.constexpr,
+    SKIP_NONFINITE: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, ALIGNED: tl.constexpr, FULL: tl.constexpr,
+    THREADS_PER_GROUP: tl.constexpr,
+):
+    groups = tl.arange(0, NG)
+    local = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    _adamw_tile(rows + tl.program_id(0) * 4, tensors, scalars, skipped, m_table, v_table, local, groups,
+                P_DTYPE, G_DTYPE, M_E5M2, M_EXPAND, M_LOG2_MAX, M_NUM, M_INV_EMIN, M_KMAX,
+                V_E5M2, V_EXPAND, V_LOG2_MAX, V_NUM, V_INV_EMIN, V_KMAX, SKIP_NONFINITE, GROUP, NG, ALIGNED, FULL)
 
 
-@triton.jit
-def _encode_group_tile(x, mask, codes_ptrs, meta, n_groups, gid, gmask, E5M2: tl.constexpr, EXPAND: tl.constexpr,
-                       LOG2_MAX: tl.constexpr, NUM: tl.constexpr, INV_EMIN: tl.constexpr, KMAX: tl.constexpr):
-    """Quantize fp32 [NG, GROUP] groupwise: store codes where `mask`, and the metadata where `gmask`."""
-    ax = tl.where(mask, tl.abs(x), 0.0)
-    big = tl.max(ax, axis=1)
-    small = tl.min(tl.where(ax > 0, ax, float("inf")), axis=1)
-    k, log2_center, log2_scale_q = _group_params(big, small, EXPAND, NUM, INV_EMIN, KMAX)
-    codes = _encode(x, k[:, None], log2_center[:, None], log2_scale_q[:, None], E5M2, LOG2_MAX)
-    tl.store(codes_ptrs, codes.to(tl.uint8, bitcast=True), mask=mask)
-    _store_meta(meta, n_groups, gid, gmask, k, log2_center, log2_scale_q)
+if gluon is not None:
+    @gluon.jit
+    def _fused_adamw_gluon(
+        rows, tensors, scalars, skipped, m_table, v_table,
+        P_DTYPE: gl.constexpr, G_DTYPE: gl.constexpr,
+        M_E5M2: gl.constexpr, M_EXPAND: gl.constexpr, M_LOG2_MAX: gl.constexpr, M_NUM: gl.constexpr,
+        M_INV_EMIN: gl.constexpr, M_KMAX: gl.constexpr,
+        V_E5M2: gl.constexpr, V_EXPAND: gl.constexpr, V_LOG2_MAX: gl.constexpr, V_NUM: gl.constexpr,
+        V_INV_EMIN: gl.constexpr, V_KMAX: gl.constexpr,
+        SKIP_NONFINITE: gl.constexpr, GROUP: gl.constexpr, NG: gl.constexpr, ALIGNED: gl.constexpr,
+        FULL: gl.constexpr, THREADS_PER_GROUP: gl.constexpr,
+    ):
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // THREADS_PER_GROUP, THREADS_PER_GROUP],
+                                                [gl.num_warps(), 1], [1, 0])
+        groups = gl.arange(0, NG, layout=gl.SliceLayout(1, layout))
+        local = groups[:, None] * GROUP + gl.arange(0, GROUP, layout=gl.SliceLayout(0, layout))[None, :]
+        _adamw_tile(rows + gl.program_id(0) * 4, tensors, scalars, skipped, m_table, v_table, local, groups,
+                    P_DTYPE, G_DTYPE, M_E5M2, M_EXPAND, M_LOG2_MAX, M_NUM, M_INV_EMIN, M_KMAX,
+                    V_E5M2, V_EXPAND, V_LOG2_MAX, V_NUM, V_INV_EMIN, V_KMAX, SKIP_NONFINITE, GROUP, NG, ALIGNED, FULL)
+
+
+def fused_adamw_kernel():
+    """The entry point used for launches: Gluon on CUDA when available, else the Triton kernel."""
+    return _fused_adamw_kernel if gluon is None or INTERPRET else _fused_adamw_gluon
 
 
 @triton.jit
@@ -183,8 +265,8 @@ def _quantize_kernel(x_ptr, codes_ptr, meta, rows, n_groups, E5M2: tl.constexpr,
                      GROUP: tl.constexpr, NG: tl.constexpr):
     start, local, mask, gid, gmask = _row_tile(rows + tl.program_id(0) * 3, GROUP, NG)
     x = tl.load(x_ptr + start + local, mask=mask, other=0.0).to(tl.float32)
-    _encode_group_tile(x, mask, codes_ptr + start + local, meta, n_groups, gid, gmask, E5M2, EXPAND, LOG2_MAX,
-                       NUM, INV_EMIN, KMAX)
+    _quantize_tile(x, mask, codes_ptr + start + local, meta, n_groups, gid, gmask, E5M2, EXPAND, LOG2_MAX,
+                   NUM, INV_EMIN, KMAX)
 
 
 @triton.jit
@@ -228,35 +310,74 @@ def dequantize(codes: torch.Tensor, meta: torch.Tensor, layout: GroupLayout) -> 
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def rows_for(layouts: list[GroupLayout]) -> torch.Tensor:
+def supports_group_size(group_size: int) -> bool:
+    return group_size >= 4 and group_size & (group_size - 1) == 0
+
+
+def launch_shape(group_size: int) -> tuple[int, int]:
+    """(groups per row, threads per group) of the fused AdamW kernel: a row fills at least the CTA's threads."""
+    if not supports_group_size(group_size):
+        raise ValueError(f"the Triton kernels need a power-of-two group_size >= 4, got {group_size}")
+    threads_per_group = min(THREADS_PER_GROUP, group_size // 4)
+    return max(GROUPS_PER_PROGRAM, 32 // threads_per_group * NUM_WARPS), threads_per_group
+
+
+def rows_for(layouts: list[GroupLayout], groups_per_row: int) -> torch.Tensor:
     """Rows of a multi-tensor launch, int64 [R, 4]: (tensor index, flat_start, numel, first_group)."""
     parts = []
     for i, layout in enumerate(layouts):
-        r = layout.rows(GROUPS_PER_PROGRAM)
+        r = layout.rows(groups_per_row)
         parts.append(torch.cat([torch.full((len(r), 1), i, dtype=torch.int64), r], dim=1))
     return torch.cat(parts) if parts else torch.zeros(0, 4, dtype=torch.int64)
 
 
-def fused_adamw(rows: torch.Tensor, rows_aligned: bool, params, grads, m_codes, m_metas, v_codes, v_metas,
-                layouts: list[GroupLayout], scalars: list[AdamWScalars], m_cfg: DREConfig, v_cfg: DREConfig,
-                skipped: torch.Tensor, skip_nonfinite: bool = True) -> None:
-    """One launch for many tensors of one (param dtype, grad dtype). `rows` comes from `rows_for(layouts)`,
-    already on the device. Adds the number of skipped (non-finite gradient) groups to `skipped` (int32 [1])."""
-    if not len(rows):
-        return
-    device = params[0].device
-    table = [[p.data_ptr(), g.data_ptr(), mq.data_ptr(), vq.data_ptr(), mm.data_ptr(), vm.data_ptr(),
-              lay.num_groups, 0]
-             for p, g, mq, vq, mm, vm, lay in zip(params, grads, m_codes, v_codes, m_metas, v_metas, layouts)]
-    aligned = rows_aligned and all(ptr % 16 == 0 for row in table for ptr in row[:4])
-    pin = device.type == "cuda"
-    tensors = torch.tensor(table, dtype=torch.int64, pin_memory=pin).to(device, non_blocking=True)
-    consts = torch.tensor([[getattr(h, f) for f in AdamWScalars.__dataclass_fields__] for h in scalars],
-                          dtype=torch.float32, pin_memory=pin).to(device, non_blocking=True)
-    _fused_adamw_kernel[(len(rows),)](
-        rows, tensors, consts, skipped, m_cfg.fmt.log2_table(device), v_cfg.fmt.log2_table(device),
-        P_DTYPE=_TRITON_DTYPES[params[0].dtype], G_DTYPE=_TRITON_DTYPES[grads[0].dtype],
-        **{f"M_{k}": v for k, v in _moment_args(m_cfg).items()}, **{f"V_{k}": v for k, v in _moment_args(v_cfg).items()},
-        SKIP_NONFINITE=skip_nonfinite, GROUP=layouts[0].group_size, NG=GROUPS_PER_PROGRAM, ALIGNED=aligned,
-        enable_fp_fusion=False, num_warps=NUM_WARPS,
-    )
+class FusedAdamW:
+    """The fused AdamW step over a fixed list of tensor layouts (one group size): rows built once, full rows and
+    ragged ones launched separately, the pointer table kept on the device until a pointer changes. A call
+    enqueues one or two kernels and no host synchronisation."""
+
+    def __init__(self, layouts: list[GroupLayout], device: torch.device):
+        group_size = layouts[0].group_size
+        if any(lay.group_size != group_size for lay in layouts):
+            raise ValueError("one FusedAdamW launch needs one group_size")
+        self.group_size = group_size
+        self.groups_per_row, self.threads_per_group = launch_shape(group_size)
+        rows = rows_for(layouts, self.groups_per_row)
+        full = rows[:, 2] == self.groups_per_row * group_size
+        self.rows_aligned = bool((rows[:, 1] % 16 == 0).all())
+        self.full_rows, self.ragged_rows = rows[full].to(device), rows[~full].to(device)
+        self.layouts, self.device = layouts, device
+        self._table_key, self._table, self._aligned = None, None, False
+
+    def _pointer_table(self, tensors, scalar_index):
+        key = (tuple(t.data_ptr() for t in tensors), tuple(scalar_index))
+        if key != self._table_key:
+            ptrs = torch.tensor(key[0], dtype=torch.int64).view(6, -1).t()
+            meta = torch.tensor([[lay.num_groups, i] for lay, i in zip(self.layouts, scalar_index)], dtype=torch.int64)
+            self._table = torch.cat([ptrs, meta], dim=1).to(self.device)
+            self._aligned = self.rows_aligned and all(p % 16 == 0 for p in key[0][:4 * len(self.layouts)])
+            self._table_key = key
+        return self._table
+
+    def __call__(self, params, grads, m_codes, m_metas, v_codes, v_metas, scalars: list[AdamWScalars],
+                 m_cfg: DREConfig, v_cfg: DREConfig, skipped: torch.Tensor, skip_nonfinite: bool = True) -> None:
+        """Adds the number of skipped groups (non-finite new second moment) to `skipped` (int32 [1])."""
+        unique: dict[AdamWScalars, int] = {}
+        scalar_index = [unique.setdefault(h, len(unique)) for h in scalars]
+        table = self._pointer_table([*params, *grads, *m_codes, *v_codes, *m_metas, *v_metas], scalar_index)
+        pin = self.device.type == "cuda"
+        consts = torch.tensor([[getattr(h, f) for f in AdamWScalars.__dataclass_fields__] for h in unique],
+                              dtype=torch.float32, pin_memory=pin).to(self.device, non_blocking=True)
+        kernel = fused_adamw_kernel()
+        for rows, full in ((self.full_rows, True), (self.ragged_rows, False)):
+            if len(rows):
+                kernel[(len(rows),)](
+                    rows, table, consts, skipped, m_cfg.fmt.log2_table(self.device),
+                    v_cfg.fmt.log2_table(self.device),
+                    P_DTYPE=_TRITON_DTYPES[params[0].dtype], G_DTYPE=_TRITON_DTYPES[grads[0].dtype],
+                    **{f"M_{k}": v for k, v in _moment_args(m_cfg).items()},
+                    **{f"V_{k}": v for k, v in _moment_args(v_cfg).items()},
+                    SKIP_NONFINITE=skip_nonfinite, GROUP=self.group_size, NG=self.groups_per_row,
+                    ALIGNED=self._aligned, FULL=full, THREADS_PER_GROUP=self.threads_per_group,
+                    enable_fp_fusion=False, num_warps=NUM_WARPS,
+                )

@@ -53,12 +53,28 @@ def test_groups_follow_the_parameter_grid_and_never_straddle_segments():
 
 
 def test_portable_log2_exp2_accuracy():
-    x = torch.cat([torch.rand(50_000) * 1e-30, torch.rand(50_000) * 1e4, torch.tensor([1e-45, 3e38, 1.0])])
+    x = torch.cat([torch.rand(50_000) * 1e-30 + 1.2e-38, torch.rand(50_000) * 1e4, torch.tensor([2.0 ** -126, 3e38, 1.0])])
     assert (pm.log2(x).double() - torch.log2(x.double())).abs().max() < 4e-5
-    assert pm.log2(torch.zeros(1)).item() == -math.inf
+    # zero and subnormals (below 2^-126) count as zero
+    assert pm.log2(torch.tensor([0.0, 1e-45, 1e-39])).eq(-math.inf).all()
     y = torch.rand(100_000) * 250 - 125
     assert ((pm.exp2(y).double() / torch.exp2(y.double())) - 1).abs().max() < 5e-6
     assert pm.exp2(torch.tensor([-200.0, -math.inf])).eq(0).all()
+
+
+def test_fma_rounds_once():
+    # a*b + c lands just below the midpoint 1 + 3*2^-24: rounding the double sum (the midpoint) to fp32 would
+    # give 1 + 2^-22; the single rounding of a fused multiply-add gives 1 + 2^-23
+    i = torch.arange(1, 200, dtype=torch.float32)
+    a, b = 1 + i * 2.0 ** -23, 2.0 ** -24 * (1 - i * 2.0 ** -23)
+    c = torch.full_like(a, 1 + 2.0 ** -23)
+    assert ((a.double() * b.double() + c.double()).float() == 1 + 2.0 ** -22).all()
+    assert (pm.fma(a, b, c) == 1 + 2.0 ** -23).all()
+    assert (pm.fma(-a, b, -c) == -(1 + 2.0 ** -23)).all()
+    x, y, z = torch.randn(3, 10_000)
+    exact = (x.double() * y.double() + z.double())  # exact here: the sum needs < 53 bits for these magnitudes
+    assert torch.equal(pm.fma(x, y, z), exact.float())
+    assert pm.fma(torch.tensor([-math.inf]), 1.0, 0.0).item() == -math.inf
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
@@ -149,3 +165,41 @@ def test_expansion_beats_plain_e4m3_on_real_moments():
     plain, expanded = mse(False), mse(True)
     assert expanded < 0.8 * plain, (plain, expanded)
     assert mse(True, k_max=16.0) <= mse(True, k_max=8.0) * 1.05  # the default cap is at least as good as 8
+
+
+_COMPILE_GLUON_FOR_HOPPER = """
+import sys
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from coat_kernels import dre_reference as ref, dre_triton as tri
+
+kernel = tri._fused_adamw_gluon
+groups_per_row, threads_per_group = tri.launch_shape(128)
+consts = dict(P_DTYPE=tl.float32, G_DTYPE=tl.bfloat16, SKIP_NONFINITE=True, GROUP=128, NG=groups_per_row,
+              ALIGNED=True, FULL=sys.argv[1] == "full", THREADS_PER_GROUP=threads_per_group,
+              **{f"{m}_{k}": v for m in "MV" for k, v in tri._moment_args(ref.DREConfig("e4m3")).items()})
+pointers = {"rows": "*i64", "tensors": "*i64", "skipped": "*i32"}
+signature = {n: "constexpr" if n in consts else pointers.get(n, "*fp32") for n in kernel.arg_names}
+source = GluonASTSource(kernel, signature, constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()})
+compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=tri.NUM_WARPS, enable_fp_fusion=False))
+print(compiled.asm["ptx"])
+"""
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_gluon_kernel_compiles_for_hopper(full):
+    """The CUDA entry point (Gluon: the interpreter cannot run it) builds for sm_90 without a GPU; full rows get
+    16-byte loads; FP8 casts are the saturating hardware conversion."""
+    import os
+    import subprocess
+    import sys
+
+    if tri.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    ptx = subprocess.run([sys.executable, "-c", _COMPILE_GLUON_FOR_HOPPER, "full" if full else "ragged"], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert ("ld.global.v4" in ptx) == full  # fp32 params: vector loads on full rows only
