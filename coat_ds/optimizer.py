@@ -11,7 +11,8 @@ k, log2 center, log2(scale * FP8 max); see coat_kernels.dre_reference). fp32 `ex
 writes them) are quantized at the next step.
 
 Non-finite gradients (nonfinite="skip_group", the default): a quantization group whose gradient holds NaN or Inf
-keeps its parameters and moments unchanged; `skipped_groups` counts such groups (reading it synchronizes).
+(seen as a non-finite new second moment: a gradient whose square overflows fp32 counts too) keeps its parameters and
+moments unchanged; `skipped_groups` counts such groups (reading it synchronizes).
 nonfinite="error" does the same and then raises FloatingPointError.
 """
 from __future__ import annotations

@@ -135,11 +135,11 @@ def test_nonfinite_gradients_skip_their_groups(backend):
     before = p.detach().clone()
     state_before = {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
     g = torch.randn_like(p)
-    g[5], g[300] = float("nan"), float("inf")  # groups 0 and 2
+    g[5], g[300], g[400] = float("nan"), float("inf"), 3e19  # groups 0, 2 and 3 (3e19 squared overflows fp32)
     p.grad = g
     opt.step()
-    assert opt.skipped_groups == 2
-    for lo, hi in ((0, 128), (256, 384)):
+    assert opt.skipped_groups == 3
+    for lo, hi in ((0, 128), (256, 384), (384, 512)):
         assert torch.equal(p.detach()[lo:hi], before[lo:hi])
         assert codes_equal(opt.state[p]["exp_avg_q"][lo:hi], state_before["exp_avg_q"][lo:hi])
     assert not torch.equal(p.detach()[128:256], before[128:256])
