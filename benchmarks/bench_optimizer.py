@@ -69,7 +69,7 @@ def main():
         from coat_kernels import dre_triton
         knobs = ("GROUPS_PER_PROGRAM", "NUM_WARPS", "THREADS_PER_GROUP")
         default = tuple(getattr(dre_triton, k) for k in knobs)
-        for setting in ((8, 4, 16), (8, 2, 8), (16, 4, 8), (4, 1, 8)):
+        for setting in ((8, 2, 16), (16, 2, 16), (8, 4, 16), (8, 2, 8)):
             for k, v in zip(knobs, setting):
                 setattr(dre_triton, k, v)
             rows.append(bench("  Coat groups/warps/threads per group={}/{}/{}".format(*setting),

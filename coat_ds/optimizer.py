@@ -24,7 +24,7 @@ import torch
 
 from coat_kernels import dre_reference as reference
 from coat_kernels.dre_reference import AdamWScalars, DREConfig
-from coat_kernels.grouping import GroupLayout, build_layout, normalize_segments
+from coat_kernels.grouping import GroupLayout, build_layout, concat_layouts, normalize_segments
 
 _ADAMW_ARGS = ("lr", "betas", "eps", "weight_decay")
 _COAT_ARGS = ("exp_avg_format", "exp_avg_sq_format", "expand_exp_avg", "expand_exp_avg_sq", "group_size",
@@ -124,16 +124,14 @@ class CoatFP8AdamW(torch.optim.Optimizer):
                                                           group["weight_decay"], step)
             scalars = scalars_by_step[step]
             grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
-            if self._use_triton(p):
-                key = (p.device, p.dtype, grad.dtype, layout.group_size)
-                by_kernel.setdefault(key, []).append((p, grad, state, layout, scalars))
+            use_triton = self._use_triton(p)
+            key = (use_triton, p.device, p.dtype, grad.dtype, layout.group_size, None if use_triton else scalars)
+            by_kernel.setdefault(key, []).append((p, grad, state, layout, scalars))
+        for (use_triton, device, *_), items in by_kernel.items():
+            if use_triton:
+                self._launch(device, items, m_cfg, v_cfg)
             else:
-                skipped = reference.fused_adamw_step(p, grad, state["exp_avg_q"], state["exp_avg_meta"],
-                                                     state["exp_avg_sq_q"], state["exp_avg_sq_meta"], layout,
-                                                     scalars, m_cfg, v_cfg)
-                self._counter(p.device).add_(skipped)
-        for (device, *_), items in by_kernel.items():
-            self._launch(device, items, m_cfg, v_cfg)
+                self._counter(device).add_(_reference_step(items, m_cfg, v_cfg))
 
     def _launch(self, device, items, m_cfg, v_cfg):
         from coat_kernels import dre_triton
@@ -201,6 +199,36 @@ class CoatFP8AdamW(torch.optim.Optimizer):
                 self.state[p][key] = value.to(p.device)
         self._layouts.clear()
         self._launchers.clear()
+
+
+def _reference_step(items, m_cfg, v_cfg) -> torch.Tensor:
+    """The PyTorch reference step for tensors sharing device, dtypes and AdamW scalars: one call over their
+    concatenation (the reference costs hundreds of small ops per call), results copied back."""
+    if len(items) == 1:
+        p, grad, st, layout, scalars = items[0]
+        return reference.fused_adamw_step(p, grad, st["exp_avg_q"], st["exp_avg_meta"], st["exp_avg_sq_q"],
+                                          st["exp_avg_sq_meta"], layout, scalars, m_cfg, v_cfg)
+    params, grads, states, layouts, scalars = zip(*items)
+
+    def cat(tensors):
+        return torch.cat([t.reshape(-1).view(torch.uint8) if t.is_floating_point() and t.element_size() == 1
+                          else t.reshape(-1) for t in tensors])
+
+    p, g = cat(params), cat(grads)
+    codes = {k: cat([st[k] for st in states]).view(states[0][k].dtype) for k in ("exp_avg_q", "exp_avg_sq_q")}
+    metas = {k: torch.cat([st[k] for st in states], dim=1) for k in ("exp_avg_meta", "exp_avg_sq_meta")}
+    skipped = reference.fused_adamw_step(p, g, codes["exp_avg_q"], metas["exp_avg_meta"], codes["exp_avg_sq_q"],
+                                         metas["exp_avg_sq_meta"], concat_layouts(layouts), scalars[0], m_cfg, v_cfg)
+    start = groups = 0
+    for param, st, layout in zip(params, states, layouts):
+        n, k = layout.numel, layout.num_groups
+        param.view(-1).copy_(p[start:start + n])
+        for key in codes:
+            st[key].view(torch.uint8).copy_(codes[key][start:start + n].view(torch.uint8))
+        for key in metas:
+            st[key].copy_(metas[key][:, groups:groups + k])
+        start, groups = start + n, groups + k
+    return skipped
 
 
 def new_state(p, segments: torch.Tensor, layout: GroupLayout, m_cfg: DREConfig, v_cfg: DREConfig,

@@ -93,7 +93,7 @@ def encode(x: torch.Tensor, meta: torch.Tensor, cfg: DREConfig) -> torch.Tensor:
     """FP8 codes of x [n, G] with its groups' metadata [3, n]."""
     k, log2_center, log2_scale_q = (r[:, None] for r in meta)
     offset = log2_scale_q - cfg.log2_max + k * log2_center
-    y = pm.exp2(pm.fma(k, pm.log2(x.abs()), -offset))
+    y = pm.exp2(pm.fma(k, pm.log2(x.abs(), coarse=True), -offset), coarse=True)
     return cfg.fmt.quantize(torch.where(x < 0, -y, y))
 
 

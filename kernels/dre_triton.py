@@ -58,7 +58,7 @@ def _group_params(big, small, EXPAND: tl.constexpr, NUM: tl.constexpr, INV_EMIN:
 def _encode(x, k, log2_center, log2_scale_q, E5M2: tl.constexpr, LOG2_MAX: tl.constexpr):
     """FP8 codes of x given its group's metadata (broadcastable to x's shape); see dre_reference.encode."""
     offset = log2_scale_q - LOG2_MAX + k * log2_center
-    y = exp2_p(fma_p(k, log2_p(tl.abs(x)), -offset))
+    y = exp2_p(fma_p(k, log2_p(tl.abs(x), True), -offset), True)
     y = tl.where(x < 0, -y, y)
     if E5M2:
         return to_e5m2(y)

@@ -81,3 +81,16 @@ def build_layout(segments: Sequence[Segment] | torch.Tensor | None, numel: int, 
             runs.append((flat_start + head, body, first))
             first += (body + group_size - 1) // group_size
     return GroupLayout(numel, group_size, tuple(runs), first)
+
+
+def concat_layouts(layouts: Sequence[GroupLayout]) -> GroupLayout:
+    """The layout of the buffers laid end to end (group ids follow in the same order): one reference step for many
+    tensors."""
+    group_size = layouts[0].group_size
+    if any(lay.group_size != group_size for lay in layouts):
+        raise ValueError("concatenated layouts need one group_size")
+    runs, numel, groups = [], 0, 0
+    for lay in layouts:
+        runs += [(start + numel, n, first + groups) for start, n, first in lay.runs]
+        numel, groups = numel + lay.numel, groups + lay.num_groups
+    return GroupLayout(numel, group_size, tuple(runs), groups)

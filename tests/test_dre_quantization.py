@@ -203,3 +203,10 @@ def test_gluon_kernel_compiles_for_hopper(full):
                          capture_output=True, text=True, check=True).stdout
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert ("ld.global.v4" in ptx) == full  # fp32 params: vector loads on full rows only
+
+
+def test_coarse_log2_exp2_accuracy():
+    x = torch.rand(100_000) * 1e4 + 1e-3
+    assert (pm.log2(x, coarse=True).double() - torch.log2(x.double())).abs().max() < 1.3e-4
+    y = torch.rand(100_000) * 250 - 125
+    assert ((pm.exp2(y, coarse=True).double() / torch.exp2(y.double())) - 1).abs().max() < 8e-5
