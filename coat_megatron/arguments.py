@@ -2,7 +2,8 @@
 
 Megatron generates `--transformer-impl` from TransformerConfig's Literal, with closed argparse choices; this adds
 "coat" to them (the value then flows into TransformerConfig unchanged, which does not enforce the Literal) and
-adds the `--coat-*` options.
+adds the `--coat-*` options: the spec's (`--coat-attention`) and the FP8 optimizer's (`--coat-optimizer`, usable
+with every --transformer-impl).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import argparse
 from .attention import ATTENTION_BACKENDS
 
 COAT_IMPL = "coat"
+FP8_FORMATS = ("e4m3", "e5m2")
 
 
 def add_coat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -25,7 +27,28 @@ def add_coat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--coat-attention", choices=ATTENTION_BACKENDS, default="auto",
                        help="attention core of the COAT spec (BF16): auto = TE if importable, else Megatron's "
                             "DotProductAttention on CUDA, else torch SDPA")
+    opt = parser.add_argument_group("COAT FP8 optimizer (--coat-optimizer; any --transformer-impl)")
+    opt.add_argument("--coat-optimizer", action="store_true",
+                     help="replace Megatron's Adam (inside the distributed or mixed-precision optimizer) by "
+                          "CoatFP8AdamW: both moments in FP8 with per-group dynamic range expansion")
+    opt.add_argument("--coat-exp-avg-format", choices=FP8_FORMATS, default="e4m3", help="FP8 format of exp_avg")
+    opt.add_argument("--coat-exp-avg-sq-format", choices=FP8_FORMATS, default="e4m3",
+                     help="FP8 format of exp_avg_sq")
+    opt.add_argument("--coat-no-expand-exp-avg", dest="coat_expand_exp_avg", action="store_false",
+                     help="no dynamic range expansion for exp_avg")
+    opt.add_argument("--coat-no-expand-exp-avg-sq", dest="coat_expand_exp_avg_sq", action="store_false",
+                     help="no dynamic range expansion for exp_avg_sq")
+    opt.add_argument("--coat-group-size", type=int, default=128, help="elements per quantization group")
+    opt.add_argument("--coat-expand-min", type=int, default=16, help="the expansion exponent k is a multiple of 1/N")
+    opt.add_argument("--coat-k-max", type=float, default=16.0, help="cap on the expansion exponent k")
     return parser
+
+
+def coat_optimizer_options(args) -> dict:
+    """CoatFP8AdamW's COAT options from the --coat-* flags."""
+    return dict(exp_avg_format=args.coat_exp_avg_format, exp_avg_sq_format=args.coat_exp_avg_sq_format,
+                expand_exp_avg=args.coat_expand_exp_avg, expand_exp_avg_sq=args.coat_expand_exp_avg_sq,
+                group_size=args.coat_group_size, expand_min=args.coat_expand_min, k_max=args.coat_k_max)
 
 
 def install_coat_args() -> None:

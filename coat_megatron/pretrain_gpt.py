@@ -3,6 +3,8 @@
     python -m coat_megatron.pretrain_gpt --transformer-impl coat [Megatron options] [--coat-* options]
 
 One launcher for every arm, so data, loss, seed and logging are identical: only the layer spec differs.
+`--coat-optimizer` (any spec) makes the inner Adam of Megatron's optimizer CoatFP8AdamW (coat_megatron.optimizer);
+every run ends by printing each rank's optimizer-state bytes and peak memory.
 `transformer_engine` and `local` use Megatron's own spec choice; `coat` uses coat_megatron's decoder-block spec.
 Data: `--mock-data`, or Megatron indexed datasets (`--data-path` / per-split paths) through megatron.core.datasets.
 Needs megatron.training, shipped in the megatron-core wheel from 0.17 on (or a Megatron-LM checkout on PYTHONPATH).
@@ -152,13 +154,14 @@ def main():
     from megatron.training import pretrain
 
     install_coat_args()
+    _install_coat_optimizer()
     _use_prebuilt_dataset_helpers()
 
     params = list(inspect.signature(pretrain).parameters)
     if params[0] != "cfg_container":  # 0.16 checkout / 0.17: pretrain parses the arguments itself
         pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
                  args_defaults=ARGS_DEFAULTS)
-        _report_peak_memory()
+        _report_memory()
         return
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -176,16 +179,48 @@ def main():
     else:  # 0.18: pretrain(cfg, datasets, model_provider, model_type, forward_step)
         pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider, model_provider,
                  ModelType.encoder_or_decoder, forward_step)
-    _report_peak_memory()
+    _report_memory()
 
 
 def _coat_spec_for_model_config(model_config, vp_stage=None):
     return coat_block_spec(model_config.transformer, vp_stage)
 
 
-def _report_peak_memory():
+_BUILT_OPTIMIZERS = []
+
+
+def _install_coat_optimizer():
+    """Wrap the get_megatron_optimizer that megatron.training calls: with --coat-optimizer its inner Adam becomes
+    CoatFP8AdamW (coat_megatron.optimizer.use_coat_optimizer); every arm keeps the optimizer for the report."""
+    from megatron.training import get_args, training
+
+    from .arguments import coat_optimizer_options
+    from .optimizer import use_coat_optimizer
+
+    original = training.get_megatron_optimizer
+    if getattr(original, "installs_coat_optimizer", False):
+        return
+
+    def get_megatron_optimizer_with_coat(*args, **kwargs):
+        optimizer = original(*args, **kwargs)
+        if get_args().coat_optimizer:
+            optimizer = use_coat_optimizer(optimizer, **coat_optimizer_options(get_args()))
+        _BUILT_OPTIMIZERS.append(optimizer)
+        return optimizer
+
+    get_megatron_optimizer_with_coat.installs_coat_optimizer = True
+    training.get_megatron_optimizer = get_megatron_optimizer_with_coat
+
+
+def _report_memory():
+    from .optimizer import optimizer_state_report
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    for optimizer in _BUILT_OPTIMIZERS:
+        r = optimizer_state_report(optimizer)
+        print(f"[coat_megatron] rank {rank} optimizer state: {r['optimizer']} {r['state_bytes'] / 2**20:.1f} MiB "
+              f"for {r['numel'] / 1e6:.2f}M elements ({r['bytes_per_element']:.3f} B/element)", flush=True)
     if torch.cuda.is_available():
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         print(f"[coat_megatron] rank {rank} peak memory allocated: "
               f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)
 

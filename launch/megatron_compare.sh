@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
-# Side-by-side GPT pretraining with coat_megatron.pretrain_gpt: BF16 `local` vs `coat` on one GPU each (run at the
-# same time on GPUs 0 and 1, same batch, data and seed), then `coat` with TP=2 + sequence parallelism on both GPUs;
-# `transformer_engine` (BF16 and FP8 tensorwise) only when TE imports.
-# Usage: bash launch/megatron_compare.sh OUT_DIR [TRAIN_ITERS]
+# Side-by-side GPT pretraining with coat_megatron.pretrain_gpt, same batch, data and seed in every arm.
+# Usage: [ARMS="..."] [NGPUS=n] bash launch/megatron_compare.sh OUT_DIR [TRAIN_ITERS]
+# Arms (ARMS picks a subset; default all, in this order):
+#   local_bf16_tp1       BF16 `local` spec, Megatron's Adam (torch AdamW without TE/apex)   1 GPU
+#   coat_tp1             `coat` FP8 layers + COAT FP8 optimizer (--coat-optimizer)          1 GPU
+#   coat_torchadam_tp1   `coat` FP8 layers, Megatron's Adam (the earlier `coat` arm)        1 GPU
+#   local_coatadam_tp1   BF16 `local` spec + COAT FP8 optimizer                             1 GPU
+#   coat_tp2_sp          `coat` layers + COAT optimizer, TP=2 + sequence parallelism        2 GPUs
+# 1-GPU arms run NGPUS at a time (one per GPU); 2-GPU arms alone, skipped on one GPU. `transformer_engine`
+# arms (BF16 and FP8 tensorwise) are added when TE imports. Every arm uses the distributed optimizer; each log
+# ends with the optimizer-state bytes and the peak memory of every rank.
 # Model: GPT ~370M (24 layers, hidden 1024, 16 heads, SwiGLU FFN 2816, RMSNorm, RoPE, vocab 32000), seq 1024,
-# micro-batch 8 (8192 tokens/iteration), Megatron's attention core with selective recompute of core_attn in every arm.
+# micro-batch 8 (8192 tokens/iteration), Megatron's attention core with selective recompute of core_attn.
 set -euo pipefail
 OUT=${1:?usage: megatron_compare.sh OUT_DIR [TRAIN_ITERS]}
 ITERS=${2:-200}
+NGPUS=${NGPUS:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
 mkdir -p "$OUT"
 export CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONUNBUFFERED=1
 
@@ -17,11 +25,33 @@ COMMON=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --ffn-hidden
   --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02 --seed 1234
   --bf16 --swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope
   --untie-embeddings-and-output-weights --attention-dropout 0 --hidden-dropout 0
-  --recompute-granularity selective
+  --recompute-granularity selective --use-distributed-optimizer
   --no-gradient-accumulation-fusion --no-rope-fusion --no-masked-softmax-fusion --no-bias-swiglu-fusion
   --no-bias-dropout-fusion --no-persist-layer-norm
   --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
   --log-interval 10 --log-throughput --eval-iters 0 --eval-interval 100000)
+
+ALL_ARMS="local_bf16_tp1 coat_tp1 coat_torchadam_tp1 local_coatadam_tp1 coat_tp2_sp"
+if python3 -c "import transformer_engine.pytorch" 2>/dev/null; then
+  ALL_ARMS="te_bf16_tp1 te_fp8_tensorwise_tp1 $ALL_ARMS"
+else
+  echo "== transformer_engine arms skipped: transformer_engine is not importable" | tee "$OUT/te_skipped.txt"
+fi
+ARMS=${ARMS:-$ALL_ARMS}
+
+arm_args() {
+  case $1 in
+    te_bf16_tp1) echo "--transformer-impl transformer_engine" ;;
+    te_fp8_tensorwise_tp1) echo "--transformer-impl transformer_engine --fp8-format hybrid --fp8-recipe tensorwise" ;;
+    local_bf16_tp1) echo "--transformer-impl local" ;;
+    coat_tp1) echo "--transformer-impl coat --coat-attention megatron --coat-optimizer" ;;
+    coat_torchadam_tp1) echo "--transformer-impl coat --coat-attention megatron" ;;
+    local_coatadam_tp1) echo "--transformer-impl local --coat-optimizer" ;;
+    coat_tp2_sp) echo "--transformer-impl coat --coat-attention megatron --coat-optimizer
+                       --tensor-model-parallel-size 2 --sequence-parallel" ;;
+    *) echo "unknown arm $1" >&2; return 1 ;;
+  esac
+}
 
 run() {  # run NAME GPUS NPROC PORT ARGS...
   local name=$1 gpus=$2 nproc=$3 port=$4; shift 4
@@ -32,16 +62,23 @@ run() {  # run NAME GPUS NPROC PORT ARGS...
   echo "== $name: exit $rc"
 }
 
-if python3 -c "import transformer_engine.pytorch" 2>/dev/null; then
-  run te_bf16 0 1 29501 --transformer-impl transformer_engine &
-  run te_fp8_tensorwise 1 1 29502 --transformer-impl transformer_engine --fp8-format hybrid --fp8-recipe tensorwise &
-  wait
-else
-  echo "== transformer_engine arms skipped: transformer_engine is not importable" | tee "$OUT/te_skipped.txt"
-fi
-run local_bf16_tp1 0 1 29501 --transformer-impl local &
-run coat_tp1 1 1 29502 --transformer-impl coat --coat-attention megatron &
+slot=0
+for arm in $ARMS; do
+  args=$(arm_args "$arm")
+  if [[ $arm == *_tp2* ]]; then
+    wait; slot=0
+    if (( NGPUS < 2 )); then echo "== $arm skipped: needs 2 GPUs, $NGPUS visible"; continue; fi
+    # shellcheck disable=SC2086
+    run "$arm" 0,1 2 29511 $args
+  else
+    # shellcheck disable=SC2086
+    run "$arm" "$slot" 1 $((29501 + slot)) $args &
+    slot=$((slot + 1))
+    if (( slot >= NGPUS )); then wait; slot=0; fi
+  fi
+done
 wait
-run coat_tp2_sp 0,1 2 29503 --transformer-impl coat --coat-attention megatron --tensor-model-parallel-size 2 \
-  --sequence-parallel
-for f in "$OUT"/*.log; do echo "--- $f"; grep -E "iteration +[0-9]+/|peak memory|memory \\(MB\\)|Error|error" "$f" | tail -25; done
+for f in "$OUT"/*.log; do
+  echo "--- $f"
+  grep -E "iteration +[0-9]+/|optimizer state|peak memory|memory \\(MB\\)|Error|error" "$f" | tail -25
+done

@@ -1,0 +1,235 @@
+"""CoatFP8AdamW under Megatron-core's optimizers (`--coat-optimizer`).
+
+Megatron builds its optimizer as a wrapper (DistributedOptimizer, Float16OptimizerWithFloat16Params or
+FP32Optimizer, inside a ChainedOptimizer) around an inner torch-style Adam. `use_coat_optimizer` replaces that
+inner optimizer, after Megatron has built the wrapper, with `MegatronCoatFP8AdamW` over the very same param-group
+dicts (the fp32 main params; under the distributed optimizer, this rank's shard of each parameter). Nothing of
+Megatron is copied: sharding, grad copies, clipping, the LR scheduler and zero_grad stay Megatron's.
+
+- Quantization groups follow each parameter's own 128-grid: a shard main param that starts `param_range.start`
+  elements into its parameter gets the segment (0, shard_numel, param_range.start).
+- State is created eagerly (FP8 zeros) when the inner optimizer is swapped, so Megatron's checkpoint code, which
+  reads `step` from every state entry before the first step, always finds it.
+- Checkpoints stay in Megatron's formats with fp32 moments on disk (interchangeable with a torch-AdamW run):
+  * distributed optimizer: its two state accessors (`_get/_set_main_param_and_optimizer_states`, through which
+    every current sharding type reads and writes `exp_avg`/`exp_avg_sq`) are bound on the instance to
+    dequantize on save and re-quantize on load;
+  * Float16/FP32 optimizers: the inner `state_dict()` returns torch AdamW's layout (fp32 moments shaped like the
+    parameters), `load_state_dict` quantizes fp32 moments it is given.
+  A resumed run is therefore not bit-identical to an uninterrupted one: the moments are re-quantized once.
+"""
+from __future__ import annotations
+
+from itertools import chain
+
+import torch
+
+from coat_ds.optimizer import CoatFP8AdamW, _moment_configs, dequantize_state_entry
+
+COAT_OPTION_KEYS = ("exp_avg_format", "exp_avg_sq_format", "expand_exp_avg", "expand_exp_avg_sq", "group_size",
+                    "expand_min", "k_max")
+
+
+class MegatronCoatFP8AdamW(CoatFP8AdamW):
+    """CoatFP8AdamW over the param groups of a Megatron optimizer wrapper.
+
+    param_offsets: {main param: offset of its first element inside the model parameter} (shards of the
+    distributed optimizer); absent params start at 0. torch_format_state_dict: `state_dict()` returns fp32
+    moments shaped like the parameters (what Float16/FP32Optimizer checkpoints hold).
+    """
+
+    def __init__(self, param_groups, *, param_offsets=None, torch_format_state_dict=False, **coat_options):
+        self._param_offsets = dict(param_offsets or {})
+        self.torch_format_state_dict = torch_format_state_dict
+        first = param_groups[0]
+        super().__init__(param_groups, lr=first["lr"], betas=first["betas"], eps=first["eps"],
+                         weight_decay=first["weight_decay"], **coat_options)
+        self._use_own_coat_options()
+        self.init_state()
+
+    def add_param_group(self, param_group):
+        # The distributed optimizer's shards of fp32 model params are views (non-leaf), which torch's leaf check
+        # rejects; Megatron itself assigns them to the inner optimizer's param_groups directly.
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        param_group["params"] = [p if p.is_leaf else p.detach() for p in params]
+        super().add_param_group(param_group)
+        self.param_groups[-1]["params"] = params
+
+    def _use_own_coat_options(self):
+        """This run's COAT options win over those of loaded param groups (the fp32 moments on disk have none)."""
+        for group in self.param_groups:
+            group.pop("step", None)  # TE FusedAdam keeps one; ours lives in the state
+            group.update({k: self.defaults[k] for k in COAT_OPTION_KEYS})
+
+    # ---- state --------------------------------------------------------------------------------------------------
+    def init_state(self):
+        """FP8 zero moments at step 0 for every param that has none yet."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if "exp_avg_q" not in self.state[p]:
+                    self._requantize(p, group, None)
+
+    def fp32_moments(self, p) -> dict:
+        """{"exp_avg", "exp_avg_sq"}: fp32, flat, on p's device."""
+        return dequantize_state_entry(self.state[p])
+
+    def set_fp32_moments(self, p, exp_avg, exp_avg_sq):
+        """Replace p's moments by these fp32 values (any shape with p's numel), quantized now."""
+        self._requantize(p, self._group_of(p), {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
+
+    def _requantize(self, p, group, fp32_moments):
+        state = self.state[p]
+        step = state.get("step")
+        state.clear()
+        state["step"] = torch.tensor(0.0 if step is None else float(step), dtype=torch.float32)
+        state["segments"] = torch.tensor([[0, p.numel(), self._param_offsets.get(p, 0)]] if p.numel() else [],
+                                         dtype=torch.int64).reshape(-1, 3)
+        for key, value in (fp32_moments or {}).items():
+            state[key] = value.detach().to(p.device, torch.float32).reshape(-1).contiguous()
+        layout = self._layouts.get(p)
+        self._init_state(p, group, *_moment_configs(group))  # quantizes fp32 moments found in the state
+        if layout is not None and layout == self._layouts[p]:
+            self._layouts[p] = layout  # the same object: kernel launchers cached per layout stay valid
+
+    def _group_of(self, p):
+        for group in self.param_groups:
+            if any(p is q for q in group["params"]):
+                return group
+        raise KeyError("parameter is not in this optimizer")
+
+    # ---- checkpoints ----------------------------------------------------------------------------------------------
+    def state_dict(self):
+        sd = super().state_dict()
+        # One step per group, as TE FusedAdam has it: Megatron reads it there when TE or apex is installed.
+        for saved, group in zip(sd["param_groups"], self.param_groups):
+            steps = {float(self.state[p]["step"]) for p in group["params"] if "step" in self.state[p]}
+            if len(steps) == 1:
+                saved["step"] = int(steps.pop())
+        if self.torch_format_state_dict:
+            params = list(chain.from_iterable(g["params"] for g in self.param_groups))
+            for index, entry in sd["state"].items():
+                p = params[index]
+                moments = dequantize_state_entry(entry)
+                sd["state"][index] = {"step": entry["step"], **{k: v.view(p.shape) for k, v in moments.items()}}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        group_steps = [g.get("step") for g in state_dict["param_groups"]]
+        super().load_state_dict(state_dict)
+        self._use_own_coat_options()
+        for group, group_step in zip(self.param_groups, group_steps):
+            for p in group["params"]:
+                state = self.state[p]
+                # Megatron hands every entry the same `step` tensor, which in-place increments would share.
+                step = group_step if group_step is not None else state.get("step", 0.0)
+                state["step"] = torch.tensor(float(step), dtype=torch.float32)
+                if "exp_avg" in state or "exp_avg_q" not in state:
+                    moments = {k: state.pop(k) for k in ("exp_avg", "exp_avg_sq") if k in state}
+                    self._requantize(p, group, moments or None)
+
+
+# ---- Megatron's optimizer wrappers ---------------------------------------------------------------------------------
+def use_coat_optimizer(megatron_optimizer, **coat_options):
+    """Replace the inner Adam of every (chained) Megatron optimizer by MegatronCoatFP8AdamW; returns the argument.
+
+    coat_options: CoatFP8AdamW's COAT options (exp_avg_format, group_size, ...). Call right after
+    `get_megatron_optimizer`, before loading a checkpoint (a state already present is carried over).
+    """
+    for wrapper in getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer]):
+        _swap_inner_optimizer(wrapper, coat_options)
+    return megatron_optimizer
+
+
+def _swap_inner_optimizer(wrapper, coat_options):
+    from megatron.core.optimizer import Adam, DistributedOptimizer, Float16OptimizerWithFloat16Params, FP32Optimizer
+
+    inner = wrapper.optimizer
+    if inner is None or getattr(wrapper, "is_stub_optimizer", False):
+        return  # no trainable parameters on this rank
+    if isinstance(inner, MegatronCoatFP8AdamW):
+        return
+    _check_config(wrapper.config, inner, Adam)
+    distributed = isinstance(wrapper, DistributedOptimizer)
+    if distributed:
+        if wrapper.ddp_config.use_megatron_fsdp:
+            raise ValueError("--coat-optimizer does not support Megatron FSDP (--use-megatron-fsdp)")
+        offsets = _shard_offsets(wrapper)
+    elif isinstance(wrapper, (Float16OptimizerWithFloat16Params, FP32Optimizer)):
+        offsets = {}
+    else:
+        raise TypeError(f"--coat-optimizer: unsupported Megatron optimizer {type(wrapper).__name__}")
+    previous = {p: dict(s) for p, s in inner.state.items()}
+    coat = MegatronCoatFP8AdamW(inner.param_groups, param_offsets=offsets, torch_format_state_dict=not distributed,
+                                **coat_options)
+    for p, state in previous.items():  # an optimizer swapped after a checkpoint load keeps its moments
+        if "exp_avg" in state and p in coat.state:
+            coat.state[p]["step"] = torch.tensor(float(state.get("step", 0.0)), dtype=torch.float32)
+            coat.set_fp32_moments(p, state["exp_avg"], state["exp_avg_sq"])
+    wrapper.optimizer = coat
+    wrapper.init_state_fn = lambda opt, config=None: opt.init_state()
+    if distributed:
+        _bind_fp32_state_accessors(wrapper)
+
+
+def _check_config(config, inner, megatron_adam):
+    problems = []
+    if getattr(config, "optimizer", "adam") != "adam":
+        problems.append(f"--optimizer {config.optimizer}: COAT replaces Adam only")
+    if not getattr(config, "decoupled_weight_decay", True):
+        problems.append("Adam with L2 weight decay (decoupled_weight_decay=False): CoatFP8AdamW is AdamW")
+    if getattr(config, "use_precision_aware_optimizer", False):
+        problems.append("--use-precision-aware-optimizer (TE FusedAdam's low-precision states): drop one of them")
+    if getattr(config, "optimizer_cpu_offload", False):
+        problems.append("--optimizer-cpu-offload")
+    if not problems and not isinstance(inner, (torch.optim.AdamW, megatron_adam)):
+        problems.append(f"inner optimizer {type(inner).__name__} is not Megatron's Adam")
+    if problems:
+        raise ValueError("--coat-optimizer cannot be used with: " + "; ".join(problems))
+
+
+def _shard_offsets(dist_opt) -> dict:
+    """{shard main param: start of the shard inside its model parameter}."""
+    offsets = {}
+    for model_param, (group_index, group_order) in dist_opt.model_param_group_index_map.items():
+        main_param = dist_opt.optimizer.param_groups[group_index]["params"][group_order]
+        offsets[main_param] = dist_opt._get_model_param_range_map(model_param)["param"].start
+    return offsets
+
+
+def _bind_fp32_state_accessors(dist_opt):
+    """Dequantize-on-save / quantize-on-load for every sharding type of the distributed optimizer."""
+
+    def main_param(model_param):
+        group_index, group_order = dist_opt.model_param_group_index_map[model_param]
+        return dist_opt.optimizer.param_groups[group_index]["params"][group_order]
+
+    def get_main_param_and_optimizer_states(model_param):
+        param = main_param(model_param)
+        return {"param": param, **dist_opt.optimizer.fp32_moments(param)}
+
+    def set_main_param_and_optimizer_states(model_param, tensors):
+        param = main_param(model_param)
+        with torch.no_grad():
+            param.copy_(tensors["param"])
+        dist_opt.optimizer.set_fp32_moments(param, tensors["exp_avg"], tensors["exp_avg_sq"])
+
+    def load_parameter_state_from_dp_zero_legacy(state_dict):
+        raise NotImplementedError("--coat-optimizer: converting a pre-2024 legacy distributed-optimizer "
+                                  "checkpoint is not supported; convert it with a torch-AdamW run first")
+
+    dist_opt._get_main_param_and_optimizer_states = get_main_param_and_optimizer_states
+    dist_opt._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
+    dist_opt.load_parameter_state_from_dp_zero_legacy = load_parameter_state_from_dp_zero_legacy
+
+
+def optimizer_state_report(megatron_optimizer) -> dict:
+    """This rank's inner optimizer state: bytes of all state tensors, elements stepped, bytes per element."""
+    wrappers = getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer])
+    inners = [w.optimizer for w in wrappers if getattr(w, "optimizer", None) is not None]
+    state_bytes = sum(t.numel() * t.element_size() for opt in inners for s in opt.state.values()
+                      for t in s.values() if isinstance(t, torch.Tensor))
+    numel = sum(p.numel() for opt in inners for g in opt.param_groups for p in g["params"])
+    names = sorted({type(opt).__name__ for opt in inners})
+    return {"optimizer": "+".join(names), "state_bytes": state_bytes, "numel": numel,
+            "bytes_per_element": state_bytes / max(numel, 1)}

@@ -1,0 +1,218 @@
+"""`--coat-optimizer`: CoatFP8AdamW inside Megatron's DistributedOptimizer / Float16OptimizerWithFloat16Params (CPU).
+
+The multi-process checks run once, in one spawned two-rank gloo job (tests/megatron_optimizer_jobs.py; its CPU shims
+are documented there): real `get_megatron_optimizer` + `use_coat_optimizer` on a 3-layer GPT wrapped in Megatron's
+DDP, DP=2. Also passes against megatron-core 0.19.2's core (PYTHONPATH=<unpacked 0.19.2 wheel>).
+"""
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MOMENT_ROUND_TRIP_TOL = 0.03  # relative L2: fp32 on disk, quantized again on load
+UPDATE_TOL = 0.05  # relative L2 error of a parameter's 3-step update against torch AdamW
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("megatron_optimizer_job")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "megatron_optimizer_jobs.py"), str(out),
+                           str(_free_port())], capture_output=True, text=True, timeout=300)
+    errors = [p.read_text() for p in out.glob("rank*.error")]
+    assert proc.returncode == 0 and not errors, (errors[0] if errors else proc.stderr[-4000:])
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+RUNS = ("mixed", "bf16", "bf16_e5m2", "float16")
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_inner_optimizer_is_swapped_and_steps_bit_exactly(job, run):
+    """Megatron drives the swapped optimizer (clipping, scheduler groups, grad copies) and every step equals a
+    plain CoatFP8AdamW stepped on copies of the same fp32 (shard) params with the same gradients."""
+    for rank in job:
+        r = rank[run]
+        assert r["inner"] == "MegatronCoatFP8AdamW" and r["torch_inner"] == "AdamW"
+        assert r["wrapper"] == ("Float16OptimizerWithFloat16Params" if run == "float16" else "DistributedOptimizer")
+        assert r["lockstep_steps"] == 3 and r["lockstep_mismatches"] == []
+
+
+@pytest.mark.parametrize("run", ["mixed", "bf16"])
+def test_state_is_fp8_per_shard_on_the_parameter_grid(job, run):
+    for rank in job:
+        r = rank[run]
+        assert r["stepped_numel_all_ranks"] == r["model_numel"]  # the two shards cover the model once
+        for shard in r["shards"]:
+            assert shard["codes"] == ["torch.float8_e4m3fn", "torch.float8_e4m3fn"]
+            assert shard["codes_numel"] == shard["numel"] and shard["step"] == 3.0
+            assert shard["segments"] == [[0, shard["numel"], shard["start"]]]  # groups on the parameter's grid
+        assert r["state_bytes"] / r["local_numel"] < 2.3  # codes + per-group metadata (fp32 AdamW: 8)
+    split = [s for rank in job for s in rank[run]["shards"] if s["numel"] != s["param_numel"]]
+    assert len(split) == 2  # linear_fc1 of one layer is cut between the ranks
+    if run == "bf16":
+        assert {s["start"] % 128 for s in split} == {0, 64}  # one shard starts inside a quantization group
+    if run == "mixed":  # fp32 norms: their shards are views of the model params, which the swap must accept
+        assert any(s["model_dtype"] == "torch.float32" for s in rank[run]["shards"])
+
+
+def test_tracks_megatron_torch_adamw(job):
+    for rank in job:
+        for run in ("bf16_e5m2", "float16", "bf16", "mixed"):
+            errors = rank[run]["update_rel_err"]
+            if run != "bf16_e5m2":  # see the xfail below
+                errors = {n: e for n, e in errors.items() if "word_embeddings" not in n}
+            worst = max(errors, key=errors.get)
+            assert errors[worst] < UPDATE_TOL, (run, worst, errors[worst])
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "CoatFP8AdamW (coat_ds/optimizer.py): with E4M3 exp_avg_sq, a group whose second-moment range exceeds "
+    "Q^2/2 (k clamps at 1) flushes its smallest values to 0 while exp_avg keeps them, so the update "
+    "m/(sqrt(0)+eps) explodes; here on embedding rows of rare tokens (a 128-group spans two 64-wide rows). "
+    "E5M2 exp_avg_sq passes (test_tracks_megatron_torch_adamw)."))
+def test_default_formats_track_torch_adamw_on_sparse_embedding_rows(job):
+    for rank in job:
+        for name, err in rank["bf16"]["update_rel_err"].items():
+            assert err < UPDATE_TOL, (name, err)
+
+
+@pytest.mark.parametrize("sharding", ["dp_reshardable", "fully_reshardable", "torch", "te_step_convention"])
+def test_checkpoint_round_trip(job, sharding):
+    """Save through Megatron (dist_checkpointing sharding types of megatron.training, and the distributed
+    optimizer's own --ckpt-format torch file), load into a fresh COAT run: params exact, moments re-quantized."""
+    for rank in job:
+        r = rank["checkpoints"][sharding]
+        assert r["param"] == 0.0 and r["fp8"], r
+        assert r["exp_avg"] < MOMENT_ROUND_TRIP_TOL and r["exp_avg_sq"] < MOMENT_ROUND_TRIP_TOL, r
+        assert r["steps"] == r["expected_steps"] == [3.0], r
+
+
+def test_checkpoints_are_interchangeable_with_torch_adamw(job):
+    for rank in job:
+        coat_to_torch = rank["checkpoints"]["coat_to_torch"]
+        assert coat_to_torch["exact"], coat_to_torch  # fp32 moments on disk: a torch-AdamW run reads them as saved
+        torch_to_coat = rank["checkpoints"]["torch_to_coat"]
+        assert torch_to_coat["param"] == 0.0 and torch_to_coat["fp8"], torch_to_coat
+        assert torch_to_coat["exp_avg"] < 0.05 and torch_to_coat["exp_avg_sq"] < 0.05, torch_to_coat
+        assert torch_to_coat["steps"] == torch_to_coat["expected_steps"] == [3.0]
+        f16 = rank["float16"]
+        assert f16["checkpoint_torch_layout"] and f16["coat_to_torch"]["exact"]
+        assert f16["round_trip"]["param"] == 0.0 and f16["round_trip"]["fp8"]
+        assert max(f16["round_trip"]["exp_avg"], f16["round_trip"]["exp_avg_sq"]) < MOMENT_ROUND_TRIP_TOL
+
+
+def test_resumed_run_continues_like_the_uninterrupted_one(job):
+    for rank in job:
+        r = rank["checkpoints"]["resumed_vs_uninterrupted"]
+        assert r["losses"][0] == r["losses"][1]
+        assert r["param_rel_err"] < 0.05, r
+
+
+# ---- in-process ---------------------------------------------------------------------------------------------------
+def test_load_state_dict_gives_each_param_its_own_step():
+    """Megatron hands every state entry one shared `step` tensor on load; in-place increments must not add up."""
+    from coat_megatron.optimizer import MegatronCoatFP8AdamW
+
+    params = [torch.zeros(200, requires_grad=False) for _ in range(3)]
+    opt = MegatronCoatFP8AdamW([{"params": params, "lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8,
+                                 "weight_decay": 0.0}], param_offsets={params[1]: 64})
+    assert opt.state[params[1]]["segments"].tolist() == [[0, 200, 64]]
+    sd = opt.state_dict()
+    shared = torch.tensor(5.0)
+    for entry in sd["state"].values():
+        entry["step"] = shared
+    sd["param_groups"][0].pop("step")
+    opt.load_state_dict(sd)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert [float(opt.state[p]["step"]) for p in params] == [6.0, 6.0, 6.0]
+
+
+def test_torch_format_state_dict_round_trips_through_torch_adamw():
+    from coat_megatron.optimizer import MegatronCoatFP8AdamW
+
+    torch.manual_seed(0)
+    p = torch.randn(4, 96)
+    p.grad = torch.randn(4, 96)
+    group = {"params": [p], "lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    opt = MegatronCoatFP8AdamW([group], torch_format_state_dict=True, exp_avg_sq_format="e5m2")
+    opt.step()
+    sd = opt.state_dict()
+    assert sd["state"][0]["exp_avg"].shape == p.shape and sd["state"][0]["exp_avg"].dtype == torch.float32
+    reference = torch.optim.AdamW([p.clone()], lr=1e-3)
+    reference.load_state_dict(sd)  # torch AdamW's own layout
+    back = MegatronCoatFP8AdamW([{**group, "params": [p]}], torch_format_state_dict=True)
+    back.load_state_dict(reference.state_dict())
+    assert back.param_groups[0]["exp_avg_sq_format"] == "e4m3"  # this run's options, not the saved group's
+    moments = back.fp32_moments(p)
+    saved = sd["state"][0]["exp_avg"].view(-1)
+    assert (moments["exp_avg"] - saved).norm() < 0.03 * saved.norm()
+    assert float(back.state[p]["step"]) == 1.0
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(optimizer="sgd"), "--optimizer sgd"),
+    (dict(use_precision_aware_optimizer=True), "--use-precision-aware-optimizer"),
+    (dict(optimizer_cpu_offload=True), "--optimizer-cpu-offload"),
+    (dict(decoupled_weight_decay=False), "L2 weight decay"),
+])
+def test_unsupported_megatron_settings_are_rejected(config, message):
+    from coat_megatron.optimizer import use_coat_optimizer
+
+    inner = torch.optim.AdamW([torch.zeros(4, requires_grad=True)])
+    wrapper = SimpleNamespace(optimizer=inner, config=SimpleNamespace(**{"optimizer": "adam", **config}))
+    with pytest.raises(ValueError, match=message):
+        use_coat_optimizer(SimpleNamespace(chained_optimizers=[wrapper]))
+
+
+# ---- the flags -----------------------------------------------------------------------------------------------------
+def test_coat_optimizer_flags():
+    from coat_megatron.arguments import add_coat_args, coat_optimizer_options
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--transformer-impl", default="transformer_engine", choices=("local", "transformer_engine"))
+    add_coat_args(parser)
+    args = parser.parse_args([])
+    assert not args.coat_optimizer
+    assert coat_optimizer_options(args) == dict(exp_avg_format="e4m3", exp_avg_sq_format="e4m3", expand_exp_avg=True,
+                                                expand_exp_avg_sq=True, group_size=128, expand_min=16, k_max=16.0)
+    args = parser.parse_args(["--coat-optimizer", "--coat-exp-avg-sq-format", "e5m2", "--coat-group-size", "256",
+                              "--coat-no-expand-exp-avg", "--coat-k-max", "8"])
+    assert args.coat_optimizer
+    assert coat_optimizer_options(args) == dict(exp_avg_format="e4m3", exp_avg_sq_format="e5m2", expand_exp_avg=False,
+                                                expand_exp_avg_sq=True, group_size=256, expand_min=16, k_max=8.0)
+
+
+def test_megatron_training_parses_coat_optimizer(monkeypatch):
+    try:
+        from megatron.training import arguments, training
+    except ImportError as exc:
+        pytest.skip(f"megatron.training is not importable here (it ships from megatron-core 0.17 on): {exc}")
+    from coat_megatron.arguments import install_coat_args
+    from coat_megatron.pretrain_gpt import _install_coat_optimizer
+
+    monkeypatch.setattr(arguments, "add_megatron_arguments", arguments.add_megatron_arguments)  # restored after
+    monkeypatch.setattr(training, "get_megatron_optimizer", training.get_megatron_optimizer)
+    install_coat_args()
+    _install_coat_optimizer()
+    assert training.get_megatron_optimizer.installs_coat_optimizer
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt", "--use-distributed-optimizer", "--coat-optimizer",
+                                      "--coat-exp-avg-sq-format", "e5m2"])
+    args = arguments.parse_args(ignore_unknown_args=True)
+    assert args.coat_optimizer and args.use_distributed_optimizer and args.coat_exp_avg_sq_format == "e5m2"
