@@ -18,6 +18,8 @@ nonfinite="error" does the same and then raises FloatingPointError.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
+from functools import lru_cache
 from itertools import chain
 
 import torch
@@ -72,6 +74,7 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         self._lp_params = {id(g): list(g["params"]) for g in self.param_groups}
         self._layouts: dict[torch.Tensor, GroupLayout] = {}
         self._launchers: dict = {}  # FusedAdamW per list of layouts
+        self._plans: dict[int, _StepPlan] = {}  # per param group (by identity)
         self._skipped: dict[torch.device, torch.Tensor] = {}
 
     # ---- public helpers -------------------------------------------------------------------------------------
@@ -107,31 +110,46 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
+        grads = [p.grad for p in params]
+        signature = (tuple(map(id, params)), tuple((g.dtype, g.layout, g.shape) for g in grads))
         m_cfg, v_cfg = _moment_configs(group)
+        plan = self._plans.get(id(group))
+        if plan is None or plan.signature != signature or not all(
+                self.state[p] is st and "exp_avg_q" in st for p, st in zip(params, plan.states)):
+            plan = self._plans[id(group)] = self._plan(group, params, signature, m_cfg, v_cfg)
         beta1, beta2 = group["betas"]
-        by_kernel: dict = {}
         scalars_by_step: dict[float, AdamWScalars] = {}
+        by_kernel: dict = {}
+        for p, grad, state, layout, key in zip(params, grads, plan.states, plan.layouts, plan.kernel_keys):
+            state["step"] += 1
+            step = float(state["step"])
+            scalars = scalars_by_step.get(step)
+            if scalars is None:
+                scalars = scalars_by_step[step] = AdamWScalars.make(group["lr"], beta1, beta2, group["eps"],
+                                                                    group["weight_decay"], step)
+            if not grad.is_contiguous():
+                grad = grad.contiguous()
+            by_kernel.setdefault(key if key[0] else key + (scalars,), []).append((p, grad, state, layout, scalars))
+        for (use_triton, device, *_), items in by_kernel.items():
+            if use_triton:
+                self._launch(device, items, m_cfg, v_cfg)
+            else:
+                self._counter(device).add_(_reference_step(items, m_cfg, v_cfg))
+
+    def _plan(self, group, params, signature, m_cfg, v_cfg) -> "_StepPlan":
+        """Checks and per-tensor facts of a group's step, kept while the params with gradients, their gradients'
+        dtypes and shapes, and their states stay the same (a step then only walks the lists)."""
+        states, layouts, keys = [], [], []
         for p in params:
             _check_tensors(p)
             state = self.state[p]
             if "step" not in state or "exp_avg_q" not in state:
                 self._init_state(p, group, m_cfg, v_cfg)
             layout = self._layout(p, state)
-            state["step"] += 1
-            step = float(state["step"])
-            if step not in scalars_by_step:
-                scalars_by_step[step] = AdamWScalars.make(group["lr"], beta1, beta2, group["eps"],
-                                                          group["weight_decay"], step)
-            scalars = scalars_by_step[step]
-            grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
-            use_triton = self._use_triton(p)
-            key = (use_triton, p.device, p.dtype, grad.dtype, layout.group_size, None if use_triton else scalars)
-            by_kernel.setdefault(key, []).append((p, grad, state, layout, scalars))
-        for (use_triton, device, *_), items in by_kernel.items():
-            if use_triton:
-                self._launch(device, items, m_cfg, v_cfg)
-            else:
-                self._counter(device).add_(_reference_step(items, m_cfg, v_cfg))
+            states.append(state)
+            layouts.append(layout)
+            keys.append((self._use_triton(p), p.device, p.dtype, p.grad.dtype, layout.group_size))
+        return _StepPlan(signature, states, layouts, keys)
 
     def _launch(self, device, items, m_cfg, v_cfg):
         from coat_kernels import dre_triton
@@ -199,6 +217,15 @@ class CoatFP8AdamW(torch.optim.Optimizer):
                 self.state[p][key] = value.to(p.device)
         self._layouts.clear()
         self._launchers.clear()
+        self._plans.clear()
+
+
+@dataclass
+class _StepPlan:
+    signature: tuple
+    states: list
+    layouts: list
+    kernel_keys: list  # (use Triton, device, param dtype, grad dtype, group size) per tensor
 
 
 def _reference_step(items, m_cfg, v_cfg) -> torch.Tensor:
@@ -274,9 +301,14 @@ def _quantize(x, layout, cfg, use_triton):
 
 
 def _moment_configs(group) -> tuple[DREConfig, DREConfig]:
-    common = dict(expand_min=group["expand_min"], k_max=group["k_max"])
-    return (DREConfig(group["exp_avg_format"], expand=group["expand_exp_avg"], **common),
-            DREConfig(group["exp_avg_sq_format"], expand=group["expand_exp_avg_sq"], **common))
+    return _configs(group["exp_avg_format"], group["expand_exp_avg"], group["exp_avg_sq_format"],
+                    group["expand_exp_avg_sq"], group["expand_min"], group["k_max"])
+
+
+@lru_cache(maxsize=64)
+def _configs(m_format, m_expand, v_format, v_expand, expand_min, k_max) -> tuple[DREConfig, DREConfig]:
+    common = dict(expand_min=expand_min, k_max=k_max)
+    return DREConfig(m_format, expand=m_expand, **common), DREConfig(v_format, expand=v_expand, **common)
 
 
 def _validate_group(group):

@@ -349,13 +349,16 @@ class FusedAdamW:
         self.layouts, self.device = layouts, device
         self._table_key, self._table, self._aligned = None, None, False
 
-    def _pointer_table(self, tensors, scalar_index):
-        key = (tuple(t.data_ptr() for t in tensors), tuple(scalar_index))
+    def _pointer_table(self, columns, scalar_index):
+        """int64 [n, 8] on the device: param, grad, m codes, v codes, m meta, v meta pointers, groups, scalars row.
+        Rebuilt when any pointer moves (states too: offloading swaps them)."""
+        key = (tuple(t.data_ptr() for col in columns for t in col), tuple(scalar_index))
         if key != self._table_key:
-            ptrs = torch.tensor(key[0], dtype=torch.int64).view(6, -1).t()
-            meta = torch.tensor([[lay.num_groups, i] for lay, i in zip(self.layouts, scalar_index)], dtype=torch.int64)
-            self._table = torch.cat([ptrs, meta], dim=1).to(self.device)
-            self._aligned = self.rows_aligned and all(p % 16 == 0 for p in key[0][:4 * len(self.layouts)])
+            n = len(self.layouts)
+            ptrs = torch.tensor(key[0], dtype=torch.int64).view(len(columns), n)
+            extra = torch.tensor([[lay.num_groups for lay in self.layouts], key[1]], dtype=torch.int64)
+            self._table = torch.cat([ptrs, extra]).t().contiguous().to(self.device)
+            self._aligned = self.rows_aligned and all(p % 16 == 0 for p in key[0][:4 * n])
             self._table_key = key
         return self._table
 
@@ -364,7 +367,7 @@ class FusedAdamW:
         """Adds the number of skipped groups (non-finite new second moment) to `skipped` (int32 [1])."""
         unique: dict[AdamWScalars, int] = {}
         scalar_index = [unique.setdefault(h, len(unique)) for h in scalars]
-        table = self._pointer_table([*params, *grads, *m_codes, *v_codes, *m_metas, *v_metas], scalar_index)
+        table = self._pointer_table((params, grads, m_codes, v_codes, m_metas, v_metas), scalar_index)
         pin = self.device.type == "cuda"
         consts = torch.tensor([[getattr(h, f) for f in AdamWScalars.__dataclass_fields__] for h in unique],
                               dtype=torch.float32, pin_memory=pin).to(self.device, non_blocking=True)

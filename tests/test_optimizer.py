@@ -66,6 +66,23 @@ def test_triton_backend_matches_reference_bit_for_bit():
         assert torch.equal(sa["exp_avg_sq_meta"], sb["exp_avg_sq_meta"])
 
 
+def test_kernel_follows_state_tensors_that_move():
+    """An offloading engine may swap state tensors between steps: the launch must use the new ones."""
+    a, b = mlp(hidden=48), mlp(hidden=48)
+    opt_a = CoatFP8AdamW(a.parameters(), lr=1e-2, backend="torch")
+    opt_b = CoatFP8AdamW(b.parameters(), lr=1e-2, backend="triton")
+    train(a, opt_a, 1)
+    train(b, opt_b, 1)
+    for state in opt_b.state.values():
+        for key in ("exp_avg_q", "exp_avg_sq_q", "exp_avg_meta", "exp_avg_sq_meta"):
+            state[key] = state[key].clone()
+    train(a, opt_a, 1)
+    train(b, opt_b, 1)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+        assert codes_equal(opt_a.state[p]["exp_avg_q"], opt_b.state[q]["exp_avg_q"])
+
+
 def test_state_bytes_per_parameter():
     model = torch.nn.Linear(1024, 1024, bias=False)
     opt = CoatFP8AdamW(model.parameters())
