@@ -308,7 +308,8 @@ def _moment_configs(group) -> tuple[DREConfig, DREConfig]:
 @lru_cache(maxsize=64)
 def _configs(m_format, m_expand, v_format, v_expand, expand_min, k_max) -> tuple[DREConfig, DREConfig]:
     common = dict(expand_min=expand_min, k_max=k_max)
-    return DREConfig(m_format, expand=m_expand, **common), DREConfig(v_format, expand=v_expand, **common)
+    return (DREConfig(m_format, expand=m_expand, **common),
+            DREConfig(v_format, expand=v_expand, keep_nonzero=True, **common))
 
 
 def _validate_group(group):

@@ -38,6 +38,9 @@ class DREConfig:
     expand: bool = True
     expand_min: int = 16
     k_max: float = 16.0
+    # Magnitudes >= 2^-126 never round to code 0 (at least the smallest subnormal code): for second moments, where
+    # a zero next to a nonzero first moment would turn m / (sqrt(v) + eps) into m / eps.
+    keep_nonzero: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "fmt", get_format(self.fmt))
@@ -94,6 +97,8 @@ def encode(x: torch.Tensor, meta: torch.Tensor, cfg: DREConfig) -> torch.Tensor:
     k, log2_center, log2_scale_q = (r[:, None] for r in meta)
     offset = log2_scale_q - cfg.log2_max + k * log2_center
     y = pm.exp2(pm.fma(k, pm.log2(x.abs(), coarse=True), -offset), coarse=True)
+    if cfg.keep_nonzero:
+        y = torch.where(x.abs() >= pm.MIN_NORMAL, y.clamp(min=cfg.fmt.min_subnormal), y)
     return cfg.fmt.quantize(torch.where(x < 0, -y, y))
 
 

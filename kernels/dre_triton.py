@@ -55,10 +55,13 @@ def _group_params(big, small, EXPAND: tl.constexpr, NUM: tl.constexpr, INV_EMIN:
 
 
 @triton.jit
-def _encode(x, k, log2_center, log2_scale_q, E5M2: tl.constexpr, LOG2_MAX: tl.constexpr):
+def _encode(x, k, log2_center, log2_scale_q, E5M2: tl.constexpr, LOG2_MAX: tl.constexpr,
+            KEEP_NONZERO: tl.constexpr, MIN_SUB: tl.constexpr):
     """FP8 codes of x given its group's metadata (broadcastable to x's shape); see dre_reference.encode."""
     offset = log2_scale_q - LOG2_MAX + k * log2_center
     y = exp2_p(fma_p(k, log2_p(tl.abs(x), True), -offset), True)
+    if KEEP_NONZERO:
+        y = tl.where(tl.abs(x) >= MIN_NORMAL, tl.maximum(y, MIN_SUB), y)
     y = tl.where(x < 0, -y, y)
     if E5M2:
         return to_e5m2(y)
@@ -124,7 +127,7 @@ def _decode_group_tile(raw, meta, n_groups, gid, gmask, log2_table, LOG2_MAX: tl
 @triton.jit
 def _encode_group_tile(x, ax, big, mask, codes_ptrs, meta, n_groups, gid, gmask, E5M2: tl.constexpr,
                        EXPAND: tl.constexpr, LOG2_MAX: tl.constexpr, NUM: tl.constexpr, INV_EMIN: tl.constexpr,
-                       KMAX: tl.constexpr):
+                       KMAX: tl.constexpr, KEEP_NONZERO: tl.constexpr, MIN_SUB: tl.constexpr):
     """Quantize fp32 x [NG, GROUP] groupwise, given ax = |x| (0 where masked) and big = its row max: store codes
     where `mask` and the metadata where `gmask`."""
     # min |x| >= 2^-126 over unsigned bit patterns: zero and subnormals wrap above every normal (cheaper than a
@@ -132,17 +135,19 @@ def _encode_group_tile(x, ax, big, mask, codes_ptrs, meta, n_groups, gid, gmask,
     key = ax.to(tl.uint32, bitcast=True) - 0x00800000
     small = (tl.min(key, axis=1) + 0x00800000).to(tl.float32, bitcast=True)
     k, log2_center, log2_scale_q = _group_params(big, small, EXPAND, NUM, INV_EMIN, KMAX)
-    codes = _encode(x, k[:, None], log2_center[:, None], log2_scale_q[:, None], E5M2, LOG2_MAX)
+    codes = _encode(x, k[:, None], log2_center[:, None], log2_scale_q[:, None], E5M2, LOG2_MAX, KEEP_NONZERO,
+                    MIN_SUB)
     tl.store(codes_ptrs, codes.to(tl.uint8, bitcast=True), mask=mask)
     _store_meta(meta, n_groups, gid, gmask, k, log2_center, log2_scale_q)
 
 
 @triton.jit
 def _quantize_tile(x, mask, codes_ptrs, meta, n_groups, gid, gmask, E5M2: tl.constexpr, EXPAND: tl.constexpr,
-                   LOG2_MAX: tl.constexpr, NUM: tl.constexpr, INV_EMIN: tl.constexpr, KMAX: tl.constexpr):
+                   LOG2_MAX: tl.constexpr, NUM: tl.constexpr, INV_EMIN: tl.constexpr, KMAX: tl.constexpr,
+                   KEEP_NONZERO: tl.constexpr, MIN_SUB: tl.constexpr):
     ax = tl.where(mask, tl.abs(x), 0.0)
     _encode_group_tile(x, ax, tl.max(ax, axis=1), mask, codes_ptrs, meta, n_groups, gid, gmask, E5M2, EXPAND,
-                       LOG2_MAX, NUM, INV_EMIN, KMAX)
+                       LOG2_MAX, NUM, INV_EMIN, KMAX, KEEP_NONZERO, MIN_SUB)
 
 
 @triton.jit
@@ -151,8 +156,10 @@ def _adamw_tile(
     P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
     M_E5M2: tl.constexpr, M_EXPAND: tl.constexpr, M_LOG2_MAX: tl.constexpr, M_NUM: tl.constexpr,
     M_INV_EMIN: tl.constexpr, M_KMAX: tl.constexpr,
+    M_KEEP_NONZERO: tl.constexpr, M_MIN_SUB: tl.constexpr,
     V_E5M2: tl.constexpr, V_EXPAND: tl.constexpr, V_LOG2_MAX: tl.constexpr, V_NUM: tl.constexpr,
     V_INV_EMIN: tl.constexpr, V_KMAX: tl.constexpr,
+    V_KEEP_NONZERO: tl.constexpr, V_MIN_SUB: tl.constexpr,
     SKIP_NONFINITE: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, ALIGNED: tl.constexpr, FULL: tl.constexpr,
 ):
     """One row (tensor, flat_start, numel, first_group): dequantize m and v, AdamW, re-quantize; see
@@ -210,9 +217,9 @@ def _adamw_tile(
         mask = mask & ~bad[:, None]
     tl.store(p_ptr + local, p.to(P_DTYPE), mask=mask)
     _encode_group_tile(m, m_abs, tl.max(m_abs, axis=1), mask, mq_ptr + local, m_meta, n_groups, gid, gmask,
-                       M_E5M2, M_EXPAND, M_LOG2_MAX, M_NUM, M_INV_EMIN, M_KMAX)
+                       M_E5M2, M_EXPAND, M_LOG2_MAX, M_NUM, M_INV_EMIN, M_KMAX, M_KEEP_NONZERO, M_MIN_SUB)
     _encode_group_tile(v, v_abs, v_big, mask, vq_ptr + local, v_meta, n_groups, gid, gmask, V_E5M2, V_EXPAND,
-                       V_LOG2_MAX, V_NUM, V_INV_EMIN, V_KMAX)
+                       V_LOG2_MAX, V_NUM, V_INV_EMIN, V_KMAX, V_KEEP_NONZERO, V_MIN_SUB)
 
 
 @triton.jit
@@ -221,16 +228,19 @@ def _fused_adamw_kernel(
     P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
     M_E5M2: tl.constexpr, M_EXPAND: tl.constexpr, M_LOG2_MAX: tl.constexpr, M_NUM: tl.constexpr,
     M_INV_EMIN: tl.constexpr, M_KMAX: tl.constexpr,
+    M_KEEP_NONZERO: tl.constexpr, M_MIN_SUB: tl.constexpr,
     V_E5M2: tl.constexpr, V_EXPAND: tl.constexpr, V_LOG2_MAX: tl.constexpr, V_NUM: tl.constexpr,
     V_INV_EMIN: tl.constexpr, V_KMAX: tl.constexpr,
+    V_KEEP_NONZERO: tl.constexpr, V_MIN_SUB: tl.constexpr,
     SKIP_NONFINITE: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, ALIGNED: tl.constexpr, FULL: tl.constexpr,
     THREADS_PER_GROUP: tl.constexpr,
 ):
     groups = tl.arange(0, NG)
     local = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     _adamw_tile(rows + tl.program_id(0) * 4, tensors, scalars, skipped, m_table, v_table, local, groups,
-                P_DTYPE, G_DTYPE, M_E5M2, M_EXPAND, M_LOG2_MAX, M_NUM, M_INV_EMIN, M_KMAX,
-                V_E5M2, V_EXPAND, V_LOG2_MAX, V_NUM, V_INV_EMIN, V_KMAX, SKIP_NONFINITE, GROUP, NG, ALIGNED, FULL)
+                P_DTYPE, G_DTYPE, M_E5M2, M_EXPAND, M_LOG2_MAX, M_NUM, M_INV_EMIN, M_KMAX, M_KEEP_NONZERO,
+                M_MIN_SUB, V_E5M2, V_EXPAND, V_LOG2_MAX, V_NUM, V_INV_EMIN, V_KMAX, V_KEEP_NONZERO, V_MIN_SUB,
+                SKIP_NONFINITE, GROUP, NG, ALIGNED, FULL)
 
 
 if gluon is not None:
@@ -240,8 +250,10 @@ if gluon is not None:
         P_DTYPE: gl.constexpr, G_DTYPE: gl.constexpr,
         M_E5M2: gl.constexpr, M_EXPAND: gl.constexpr, M_LOG2_MAX: gl.constexpr, M_NUM: gl.constexpr,
         M_INV_EMIN: gl.constexpr, M_KMAX: gl.constexpr,
+        M_KEEP_NONZERO: gl.constexpr, M_MIN_SUB: gl.constexpr,
         V_E5M2: gl.constexpr, V_EXPAND: gl.constexpr, V_LOG2_MAX: gl.constexpr, V_NUM: gl.constexpr,
         V_INV_EMIN: gl.constexpr, V_KMAX: gl.constexpr,
+        V_KEEP_NONZERO: gl.constexpr, V_MIN_SUB: gl.constexpr,
         SKIP_NONFINITE: gl.constexpr, GROUP: gl.constexpr, NG: gl.constexpr, ALIGNED: gl.constexpr,
         FULL: gl.constexpr, THREADS_PER_GROUP: gl.constexpr,
     ):
@@ -250,8 +262,9 @@ if gluon is not None:
         groups = gl.arange(0, NG, layout=gl.SliceLayout(1, layout))
         local = groups[:, None] * GROUP + gl.arange(0, GROUP, layout=gl.SliceLayout(0, layout))[None, :]
         _adamw_tile(rows + gl.program_id(0) * 4, tensors, scalars, skipped, m_table, v_table, local, groups,
-                    P_DTYPE, G_DTYPE, M_E5M2, M_EXPAND, M_LOG2_MAX, M_NUM, M_INV_EMIN, M_KMAX,
-                    V_E5M2, V_EXPAND, V_LOG2_MAX, V_NUM, V_INV_EMIN, V_KMAX, SKIP_NONFINITE, GROUP, NG, ALIGNED, FULL)
+                    P_DTYPE, G_DTYPE, M_E5M2, M_EXPAND, M_LOG2_MAX, M_NUM, M_INV_EMIN, M_KMAX, M_KEEP_NONZERO,
+                    M_MIN_SUB, V_E5M2, V_EXPAND, V_LOG2_MAX, V_NUM, V_INV_EMIN, V_KMAX, V_KEEP_NONZERO, V_MIN_SUB,
+                    SKIP_NONFINITE, GROUP, NG, ALIGNED, FULL)
 
 
 def fused_adamw_kernel():
@@ -262,11 +275,11 @@ def fused_adamw_kernel():
 @triton.jit
 def _quantize_kernel(x_ptr, codes_ptr, meta, rows, n_groups, E5M2: tl.constexpr, EXPAND: tl.constexpr,
                      LOG2_MAX: tl.constexpr, NUM: tl.constexpr, INV_EMIN: tl.constexpr, KMAX: tl.constexpr,
-                     GROUP: tl.constexpr, NG: tl.constexpr):
+                     KEEP_NONZERO: tl.constexpr, MIN_SUB: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr):
     start, local, mask, gid, gmask = _row_tile(rows + tl.program_id(0) * 3, GROUP, NG)
     x = tl.load(x_ptr + start + local, mask=mask, other=0.0).to(tl.float32)
     _quantize_tile(x, mask, codes_ptr + start + local, meta, n_groups, gid, gmask, E5M2, EXPAND, LOG2_MAX,
-                   NUM, INV_EMIN, KMAX)
+                   NUM, INV_EMIN, KMAX, KEEP_NONZERO, MIN_SUB)
 
 
 @triton.jit
@@ -280,7 +293,8 @@ def _dequantize_kernel(codes_ptr, meta, out_ptr, rows, n_groups, log2_table, LOG
 
 def _moment_args(cfg: DREConfig):
     return dict(E5M2=cfg.fmt.name == "e5m2", EXPAND=cfg.expand, LOG2_MAX=cfg.log2_max, NUM=cfg.expand_numerator,
-                INV_EMIN=cfg.inv_expand_min, KMAX=f32(cfg.k_max))
+                INV_EMIN=cfg.inv_expand_min, KMAX=f32(cfg.k_max), KEEP_NONZERO=cfg.keep_nonzero,
+                MIN_SUB=cfg.fmt.min_subnormal)
 
 
 def quantize(x: torch.Tensor, layout: GroupLayout, cfg: DREConfig):

@@ -210,3 +210,19 @@ def test_coarse_log2_exp2_accuracy():
     assert (pm.log2(x, coarse=True).double() - torch.log2(x.double())).abs().max() < 1.3e-4
     y = torch.rand(100_000) * 250 - 125
     assert ((pm.exp2(y, coarse=True).double() / torch.exp2(y.double())) - 1).abs().max() < 8e-5
+
+
+def test_keep_nonzero_never_rounds_a_magnitude_to_zero():
+    """A group spanning more than E4M3 covers even at k = 1: plain quantization zeroes its small values, which for a
+    second moment would turn m / (sqrt(v) + eps) into m / eps; keep_nonzero gives them the smallest code."""
+    x = torch.cat([torch.full((64,), 1.0), torch.full((64,), 1e-9)])
+    layout = build_layout(None, x.numel(), 128)
+    plain, _ = ref.quantize(x, layout, ref.DREConfig("e4m3"))
+    assert plain.float()[64:].eq(0).all()
+    cfg = ref.DREConfig("e4m3", keep_nonzero=True)
+    codes, meta = ref.quantize(x, layout, cfg)
+    assert codes.view(torch.uint8)[64:].eq(1).all()  # the smallest subnormal code
+    back = ref.dequantize(codes, meta, layout)
+    assert (back[64:] > 0).all() and rel_err(back[:64], x[:64]) < 0.07
+    codes_t, meta_t = tri.quantize(x, layout, cfg)
+    assert torch.equal(codes_t.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(meta_t, meta)
