@@ -67,12 +67,12 @@ def main():
     rows.append(bench("CoatFP8AdamW (Triton)", lambda ps: CoatFP8AdamW(ps, lr=1e-4), params, 16))
     if args.sweep:
         from coat_kernels import dre_triton
-        knobs = ("GROUPS_PER_PROGRAM", "NUM_WARPS", "THREADS_PER_GROUP")
+        knobs = ("GROUPS_PER_PROGRAM", "NUM_WARPS", "THREADS_PER_GROUP", "MAX_REGISTERS")
         default = tuple(getattr(dre_triton, k) for k in knobs)
-        for setting in ((8, 2, 16), (16, 2, 16), (8, 4, 16), (8, 2, 8)):
+        for setting in ((4, 2, 16, None), (4, 2, 16, 80), (8, 4, 16, 64), (8, 2, 8, 64)):
             for k, v in zip(knobs, setting):
                 setattr(dre_triton, k, v)
-            rows.append(bench("  Coat groups/warps/threads per group={}/{}/{}".format(*setting),
+            rows.append(bench("  Coat groups/warps/threads per group/regs={}/{}/{}/{}".format(*setting),
                               lambda ps: CoatFP8AdamW(ps, lr=1e-4), params, 16))
         for k, v in zip(knobs, default):
             setattr(dre_triton, k, v)

@@ -109,7 +109,7 @@ def decode(codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     inv_k = torch.ones_like(k) / k
     bias = (log2_scale_q - fmt.log2_max) * inv_k + log2_center
     raw = codes.view(torch.uint8).long()
-    xa = pm.exp2(pm.fma(fmt.log2_table(codes.device)[raw & 0x7F], inv_k[:, None], bias[:, None]))
+    xa = pm.exp2(pm.fma(fmt.log2_table(codes.device)[raw], inv_k[:, None], bias[:, None]))
     return torch.where(raw >= 128, -xa, xa)
 
 

@@ -35,7 +35,8 @@ class FP8Format:
         return x.clamp(-self.max, self.max).to(self.dtype)
 
     def log2_table(self, device="cpu") -> torch.Tensor:
-        """fp32 [128]: log2 of the value of each non-negative code (-inf for 0; NaN/Inf codes give NaN/Inf)."""
+        """fp32 [256]: log2 of the magnitude of each code (-inf for +-0; NaN/Inf codes give NaN/Inf): a code byte
+        indexes it directly, sign bit or not."""
         return _log2_table(self.name, str(device))
 
 
@@ -43,7 +44,7 @@ class FP8Format:
 def _log2_table(name: str, device: str) -> torch.Tensor:
     values = torch.arange(128, dtype=torch.uint8).view(FORMATS[name].dtype).double().tolist()
     logs = [math.log2(v) if 0 < v < math.inf else (-math.inf if v == 0 else v) for v in values]
-    return torch.tensor(logs, dtype=torch.float32, device=device)
+    return torch.tensor(logs * 2, dtype=torch.float32, device=device)
 
 
 E4M3 = FP8Format("e4m3", torch.float8_e4m3fn, mantissa_bits=3, min_normal_exp=-6, max=448.0)
