@@ -16,22 +16,25 @@ import triton
 import triton.language as tl
 
 from . import act_quant as aq
-from .formats import E4M3
+from .formats import E4M3, E5M2
 
 
 @triton.jit
 def _normalize(xd, mean, rstd, w, b, mask, IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """xd [G, BM, 16], mean/rstd [1, BM, 1], w/b [G, 1, 16]."""
     if IS_RMS:
-        y = xd * rstd[:, None] * w[None, :]
+        y = xd * rstd * w
     else:
-        y = (xd - mean[:, None]) * rstd[:, None] * w[None, :]
+        y = (xd - mean) * rstd * w
     if HAS_BIAS:
-        y = y + b[None, :]
+        y = y + b
     return tl.where(mask, y, 0.0)
 
 
 @triton.jit
-def _load_gamma(w_ptr, b_ptr, cols, H, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+def _load_gamma(w_ptr, b_ptr, g0, H, G: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    """gamma (and beta) of groups g0.. as fp32 [G, 1, 16]."""
+    cols = g0 * 16 + tl.arange(0, G)[:, None, None] * 16 + tl.arange(0, 16)[None, None, :]
     w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         w = w + 1.0
@@ -42,104 +45,117 @@ def _load_gamma(w_ptr, b_ptr, cols, H, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl
 
 
 @triton.jit
+def _row_stat(ptr, rows, M):
+    return tl.load(ptr + rows, mask=rows < M, other=0.0)[None, :, None]
+
+
+@triton.jit
 def _norm_fwd_kernel(x_ptr, res_ptr, h_ptr, q_ptr, e_ptr, mean_ptr, rstd_ptr, partial_ptr, w_ptr, b_ptr,
                      M, H, eps, IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     ZERO_CENTERED: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr):
+                     ZERO_CENTERED: tl.constexpr, BM: tl.constexpr, G: tl.constexpr,
+                     DEQ_CODES: tl.constexpr, ticket_ptr, scale_ptr, NP, FP8_MAX: tl.constexpr, FINAL: tl.constexpr):
     pid = tl.program_id(0)
-    rows = pid * BM + tl.arange(0, BM)
-    cols = tl.arange(0, BH)
-    mask = (rows[:, None] < M) & (cols[None, :] < H)
-    offs = rows[:, None].to(tl.int64) * H + cols[None, :]
+    rows = (pid * BM + tl.arange(0, BM)).to(tl.int64)
+    offs, eoffs, mask = aq.group_tile(rows, 0, M, H, H // 16, G)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         x = x + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         h = x.to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + offs, h, mask=mask)
         x = h.to(tl.float32)
-    q, e, xd = aq.quantize_groups(x, BM, BH, 448.0, False)
+    q, e, xd = aq.quantize_groups3(x, 448.0, False, DEQ_CODES)
     tl.store(q_ptr + offs, q, mask=mask)
-    aq.store_group_scales(e_ptr, e, rows.to(tl.int64), 0, M, H, BH)
+    tl.store(e_ptr + eoffs, e.to(tl.bfloat16), mask=mask)
     if IS_RMS:
-        mean = tl.zeros((BM,), tl.float32)
-        var = tl.sum(xd * xd, axis=1) / H
+        mean = tl.zeros((1, BM, 1), tl.float32)
+        var = tl.sum(tl.sum(xd * xd, axis=2, keep_dims=True), axis=0, keep_dims=True) / H
     else:
-        mean = tl.sum(xd, axis=1) / H
-        xc = tl.where(mask, xd - mean[:, None], 0.0)
-        var = tl.sum(xc * xc, axis=1) / H
-        tl.store(mean_ptr + rows, mean, mask=rows < M)
+        mean = tl.sum(tl.sum(xd, axis=2, keep_dims=True), axis=0, keep_dims=True) / H
+        xc = tl.where(mask, xd - mean, 0.0)
+        var = tl.sum(tl.sum(xc * xc, axis=2, keep_dims=True), axis=0, keep_dims=True) / H
+        tl.store(mean_ptr + rows[None, :, None], mean, mask=rows[None, :, None] < M)
     rstd = 1.0 / tl.sqrt_rn(var + eps)
-    tl.store(rstd_ptr + rows, rstd, mask=rows < M)
-    w, b = _load_gamma(w_ptr, b_ptr, cols, H, HAS_BIAS, ZERO_CENTERED)
+    tl.store(rstd_ptr + rows[None, :, None], rstd, mask=rows[None, :, None] < M)
+    w, b = _load_gamma(w_ptr, b_ptr, 0, H, G, HAS_BIAS, ZERO_CENTERED)
     y = _normalize(xd, mean, rstd, w, b, mask, IS_RMS, HAS_BIAS)
-    tl.store(partial_ptr + pid, aq.tile_amax(y, mask))
+    aq.store_partial(partial_ptr, pid, aq.tile_amax(y, mask), NP, ticket_ptr, scale_ptr, FP8_MAX, FINAL)
 
 
 @triton.jit
 def _norm_cast_kernel(q_ptr, e_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, scale_ptr, out_ptr, out_t_ptr, M, H, M_PAD,
                       IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                      WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
-    mask = (rows[:, None] < M) & (cols[None, :] < H)
-    xd = aq.dequantize_gathered(q_ptr, e_ptr, rows.to(tl.int64), cols, mask, H)
-    rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
+                      WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr, BM: tl.constexpr, G: tl.constexpr,
+                      T_MODE: tl.constexpr):
+    pid = tl.program_id(0)  # flat grid, group blocks fastest
+    n_g = tl.cdiv(H // 16, G)
+    g0 = (pid % n_g) * G
+    rows = ((pid // n_g) * BM + tl.arange(0, BM)).to(tl.int64)
+    offs, eoffs, mask = aq.group_tile(rows, g0, M, H, H // 16, G)
+    xd = aq.load_groups(q_ptr, e_ptr, offs, eoffs, mask)
+    rstd = _row_stat(rstd_ptr, rows, M)
     if IS_RMS:
         mean = rstd
     else:
-        mean = tl.load(mean_ptr + rows, mask=rows < M, other=0.0)
-    w, b = _load_gamma(w_ptr, b_ptr, cols, H, HAS_BIAS, ZERO_CENTERED)
+        mean = _row_stat(mean_ptr, rows, M)
+    w, b = _load_gamma(w_ptr, b_ptr, g0, H, G, HAS_BIAS, ZERO_CENTERED)
     y = _normalize(xd, mean, rstd, w, b, mask, IS_RMS, HAS_BIAS)
-    aq.store_cast(y, rows.to(tl.int64), cols.to(tl.int64), tl.load(scale_ptr), out_ptr, out_t_ptr, M, H, M_PAD,
-                  WRITE_ROW, WRITE_T, False)
+    aq.store_cast3(y, rows, g0, tl.load(scale_ptr), out_ptr, out_t_ptr, M, H, M_PAD, G, WRITE_ROW, WRITE_T, False,
+                   T_MODE)
 
 
 @triton.jit
 def _norm_bwd_kernel(q_ptr, e_ptr, mean_ptr, rstd_ptr, w_ptr, dy_ptr, dres_ptr, dx_ptr, dw_ptr, db_ptr, partial_ptr,
                      M, H, IS_RMS: tl.constexpr, HAS_DRES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     WRITE_PARTIAL: tl.constexpr,
-                     ZERO_CENTERED: tl.constexpr, ROWS: tl.constexpr, BH: tl.constexpr):
+                     WRITE_PARTIAL: tl.constexpr, ZERO_CENTERED: tl.constexpr, ROWS: tl.constexpr, G: tl.constexpr,
+                     NUM_STAGES: tl.constexpr, ticket_ptr, scale_ptr, NP, FP8_MAX: tl.constexpr, FINAL: tl.constexpr):
+    """ROWS rows per program, one per iteration (the loop software-pipelined: the next row's loads are in flight
+    during this row's math); dw (db) summed over them into one fp32 row of partials. 2-D [G, 16] row tiles with
+    scalar row offsets keep the address math per 16 elements, not per element."""
     pid = tl.program_id(0)
-    cols = tl.arange(0, BH)
-    w, _ = _load_gamma(w_ptr, w_ptr, cols, H, False, ZERO_CENTERED)
-    dw = tl.zeros((1, BH), tl.float32)
-    db = tl.zeros((1, BH), tl.float32)
-    amax = tl.zeros((1, BH), tl.float32)
-    bad = tl.zeros((1, BH), tl.int32)
-    for r in range(ROWS):
-        rows = pid * ROWS + r + tl.arange(0, 1)
-        mask = (rows[:, None] < M) & (cols[None, :] < H)
-        offs = rows[:, None].to(tl.int64) * H + cols[None, :]
-        q = tl.load(q_ptr + offs, mask=mask, other=0.0)
-        e = aq.load_group_scales(e_ptr, rows.to(tl.int64), 0, M, H, BH)
-        xd = aq.dequantize_groups(q, e, 1, BH)
-        rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
-        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        g = dy * w[None, :]
-        if IS_RMS:
-            xhat = tl.where(mask, xd * rstd[:, None], 0.0)
-            dx = (g - xhat * (tl.sum(g * xhat, axis=1) / H)[:, None]) * rstd[:, None]
-        else:
-            mean = tl.load(mean_ptr + rows, mask=rows < M, other=0.0)
-            xhat = tl.where(mask, (xd - mean[:, None]) * rstd[:, None], 0.0)
-            dx = (g - (tl.sum(g, axis=1) / H)[:, None] - xhat * (tl.sum(g * xhat, axis=1) / H)[:, None]) \
-                * rstd[:, None]
+    cols = tl.arange(0, G)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    gmask = tl.arange(0, G)[:, None] < H // 16
+    w = tl.load(w_ptr + cols, mask=gmask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = w + 1.0
+    dw = tl.zeros((G, 16), tl.float32)
+    db = tl.zeros((G, 16), tl.float32)
+    amax = tl.zeros((G, 16), tl.float32)
+    for r in tl.range(ROWS, num_stages=NUM_STAGES):
+        row = pid * ROWS + r
+        mask = gmask & (row < M)
+        base = row.to(tl.int64) * H
+        q = tl.load(q_ptr + base + cols, mask=mask, other=0.0)
+        e = tl.load(e_ptr + row.to(tl.int64) * (H // 16) + tl.arange(0, G)[:, None], mask=mask, other=1.0)
+        dy = tl.load(dy_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_DRES:
-            dx = dx + tl.load(dres_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            dres = tl.load(dres_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row, mask=row < M, other=0.0)
+        xd = q.to(tl.float32) * e.to(tl.float32)
+        g = dy * w
+        if IS_RMS:
+            xhat = xd * rstd
+            dx = (g - xhat * (tl.sum(tl.sum(g * xhat, axis=1), axis=0) / H)) * rstd
+        else:
+            xhat = tl.where(mask, (xd - tl.load(mean_ptr + row, mask=row < M, other=0.0)) * rstd, 0.0)
+            c1 = tl.sum(tl.sum(g, axis=1), axis=0) / H
+            c2 = tl.sum(tl.sum(g * xhat, axis=1), axis=0) / H
+            dx = (g - c1 - xhat * c2) * rstd
+        if HAS_DRES:
+            dx = dx + dres
         dx = dx.to(dx_ptr.dtype.element_ty)
-        tl.store(dx_ptr + offs, dx, mask=mask)
-        if WRITE_PARTIAL:  # stage 1 of the E5M2 quantization of dx by the next GEMM's backward
-            a = tl.abs(dx.to(tl.float32))
-            bad = tl.maximum(bad, (mask & ((a != a) | (a == float("inf")))).to(tl.int32))
-            amax = tl.maximum(amax, tl.where(mask & (a == a), a, 0.0))
+        tl.store(dx_ptr + base + cols, dx, mask=mask)
+        if WRITE_PARTIAL:  # stage 1 of the E5M2 quantization of dx by the next GEMM's backward (masked lanes: 0)
+            amax = aq.nanmax(amax, tl.abs(dx.to(tl.float32)))
         dw += dy * xhat
         if HAS_BIAS:
             db += dy
-    tl.store(dw_ptr + pid.to(tl.int64) * H + cols[None, :], dw, mask=cols[None, :] < H)
+    tl.store(dw_ptr + pid.to(tl.int64) * H + cols, dw, mask=gmask)
     if HAS_BIAS:
-        tl.store(db_ptr + pid.to(tl.int64) * H + cols[None, :], db, mask=cols[None, :] < H)
+        tl.store(db_ptr + pid.to(tl.int64) * H + cols, db, mask=gmask)
     if WRITE_PARTIAL:
-        tl.store(partial_ptr + pid, tl.where(tl.max(bad) > 0, float("nan"), tl.max(amax)))
+        m = tl.reduce(amax, None, aq.nanmax)
+        aq.store_partial(partial_ptr, pid, tl.where(m == float("inf"), float("nan"), m), NP, ticket_ptr, scale_ptr,
+                         FP8_MAX, FINAL)
 
 
 # ------------------------------------------------------------------------------------------- torch references
@@ -198,8 +214,8 @@ def _rows_per_program(bh):
     return max(1, min(16, 4096 // bh))
 
 
-def _warps(bh):
-    return 8 if bh >= 2048 else 4
+def _warps(bh):  # one 1x16 group per thread for H >= 512 (H = 4096: 8 warps)
+    return max(1, min(8, bh // 512))
 
 
 def norm_forward(x2d, weight, bias=None, *, residual=None, kind="rmsnorm", eps=1e-5, zero_centered=False,
@@ -226,12 +242,13 @@ def norm_forward(x2d, weight, bias=None, *, residual=None, kind="rmsnorm", eps=1
     if m:
         _norm_fwd_kernel[grid](x2d, residual.contiguous() if residual is not None else None, hsum, q, e, mean, rstd,
                                partial, weight, bias, m, h, eps, IS_RMS=is_rms, HAS_RES=residual is not None,
-                               HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered, BM=bm, BH=bh,
-                               num_warps=_warps(bh))
+                               HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered, BM=bm, G=bh // aq.GROUP,
+                               DEQ_CODES=aq.DEQ_CODES, num_warps=_warps(bh), **aq.partial_kwargs(partial, E4M3))
     return hsum, q, e, mean, rstd, partial
 
 
-CAST_BM, CAST_BN, CAST_WARPS = 16, 256, 4  # best of the H100 sweep
+# (rows, groups, warps) per program, one 1x16 group per thread; transposed output: taller tiles (32-byte runs)
+ROW_TILE, T_TILE, T_MODE = (16, 16, 8), (32, 8, 8), 1  # T_MODE: aq.store_cast3
 
 
 def norm_cast(q, e, mean, rstd, weight, bias, scale, *, zero_centered=False, write_row=True, write_t=False,
@@ -240,18 +257,25 @@ def norm_cast(q, e, mean, rstd, weight, bias, scale, *, zero_centered=False, wri
     if not (aq.use_triton(q) if triton_kernels is None else triton_kernels):
         y = norm_output_ref(q, e, mean, rstd, weight, bias, zero_centered)
         return aq.cast_ref(y, scale, E4M3, write_row, write_t)
+    if write_row and write_t:  # one launch writing both gave wrong transposed codes on the H100: two launches
+        kw = dict(zero_centered=zero_centered, triton_kernels=True)
+        return (norm_cast(q, e, mean, rstd, weight, bias, scale, **kw)[0],
+                norm_cast(q, e, mean, rstd, weight, bias, scale, write_row=False, write_t=True, **kw)[1])
     m, h = q.shape
     mp = aq.pad16(m)
     out = torch.empty(m, h, dtype=E4M3.dtype, device=q.device) if write_row else None
     out_t = torch.empty(h, mp, dtype=E4M3.dtype, device=q.device) if write_t else None
-    grid = (triton.cdiv(mp if write_t else m, CAST_BM), triton.cdiv(h, CAST_BN))
-    _norm_cast_kernel[grid](q, e, mean, rstd, weight, bias, scale, out, out_t, m, h, mp, IS_RMS=mean is None,
-                            HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered, WRITE_ROW=write_row,
-                            WRITE_T=write_t, BM=CAST_BM, BN=CAST_BN, num_warps=CAST_WARPS)
+    bm, g, w = T_TILE if write_t else ROW_TILE
+    grid = (triton.cdiv(mp if write_t else m, bm) * triton.cdiv(h // aq.GROUP, g),)
+    if grid[0]:
+        _norm_cast_kernel[grid](q, e, mean, rstd, weight, bias, scale, out, out_t, m, h, mp, IS_RMS=mean is None,
+                                HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered, WRITE_ROW=write_row,
+                                WRITE_T=write_t, BM=bm, G=g, T_MODE=T_MODE, num_warps=w)
     return out, out_t
 
 
-BWD_ROWS = 32
+# rows per program (8192 rows -> 1024 programs), warps for H >= 4096, software-pipelining depth of the row loop
+BWD_ROWS, BWD_WARPS, BWD_STAGES = 32, 16, 1
 
 
 def norm_backward(q, e, mean, rstd, weight, dy, *, dres=None, has_bias=False, zero_centered=False,
@@ -273,6 +297,8 @@ def norm_backward(q, e, mean, rstd, weight, dy, *, dres=None, has_bias=False, ze
         _norm_bwd_kernel[grid](q, e, mean, rstd, weight, dy.contiguous(),
                                dres.contiguous() if dres is not None else None, dx, dw, db, partial, m, h,
                                IS_RMS=mean is None, HAS_DRES=dres is not None, HAS_BIAS=has_bias,
-                               WRITE_PARTIAL=partial_amax, ZERO_CENTERED=zero_centered, ROWS=rows, BH=bh, num_warps=_warps(bh))
+                               WRITE_PARTIAL=partial_amax, ZERO_CENTERED=zero_centered, ROWS=rows, G=bh // aq.GROUP,
+                               NUM_STAGES=BWD_STAGES, num_warps=BWD_WARPS if bh >= 4096 else _warps(bh),
+                               **aq.partial_kwargs(partial, E5M2 if partial_amax else None))
     out = dx, dw.sum(0), (db.sum(0) if has_bias else None)
     return out + (partial,) if partial_amax else out

@@ -34,29 +34,27 @@ def _act_grad(x, ACT: tl.constexpr):
 
 
 @triton.jit
-def _act_fwd_kernel(x_ptr, q_ptr, e_ptr, y_ptr, M, K, ACT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
-    cols = pid_k * BK + tl.arange(0, BK)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    offs = rows[:, None] * K + cols[None, :]
+def _act_tile(pid, M, K, BM: tl.constexpr, G: tl.constexpr):
+    n_g = tl.cdiv(K // 16, G)
+    rows = ((pid // n_g) * BM + tl.arange(0, BM)).to(tl.int64)
+    return aq.group_tile(rows, (pid % n_g) * G, M, K, K // 16, G)
+
+
+@triton.jit
+def _act_fwd_kernel(x_ptr, q_ptr, e_ptr, y_ptr, M, K, ACT: tl.constexpr, BM: tl.constexpr, G: tl.constexpr,
+                    DEQ_CODES: tl.constexpr):
+    offs, eoffs, mask = _act_tile(tl.program_id(0), M, K, BM, G)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    q, e, xd = aq.quantize_groups(x, BM, BK, 448.0, False)
+    q, e, xd = aq.quantize_groups3(x, 448.0, False, DEQ_CODES)
     tl.store(q_ptr + offs, q, mask=mask)
-    aq.store_group_scales(e_ptr, e, rows, pid_k, M, K, BK)
+    tl.store(e_ptr + eoffs, e.to(tl.bfloat16), mask=mask)
     tl.store(y_ptr + offs, _act(xd, ACT).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _act_bwd_kernel(q_ptr, e_ptr, dy_ptr, dx_ptr, M, K, ACT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
-    cols = pid_k * BK + tl.arange(0, BK)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    offs = rows[:, None] * K + cols[None, :]
-    q = tl.load(q_ptr + offs, mask=mask, other=0.0)
-    e = aq.load_group_scales(e_ptr, rows, pid_k, M, K, BK)
-    xd = aq.dequantize_groups(q, e, BM, BK)
+def _act_bwd_kernel(q_ptr, e_ptr, dy_ptr, dx_ptr, M, K, ACT: tl.constexpr, BM: tl.constexpr, G: tl.constexpr):
+    offs, eoffs, mask = _act_tile(tl.program_id(0), M, K, BM, G)
+    xd = aq.load_groups(q_ptr, e_ptr, offs, eoffs, mask)
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(dx_ptr + offs, (dy * _act_grad(xd, ACT)).to(dx_ptr.dtype.element_ty), mask=mask)
 
@@ -74,7 +72,11 @@ def act_grad_ref(x, name):
     return 0.5 * (1.0 + torch.erf(x * _INV_SQRT2)) + x * _INV_SQRT_2PI * torch.exp(-0.5 * x * x)
 
 
-BM, BK = 32, 128
+BM, G, WARPS = 8, 16, 4  # one 1x16 group per thread
+
+
+def _grid(m, k):
+    return (triton.cdiv(m, BM) * triton.cdiv(k // aq.GROUP, G),)
 
 
 def _act_id(name):
@@ -97,7 +99,8 @@ def act_forward(x, name, *, triton_kernels=None):
     e = torch.empty(m, k // aq.GROUP, dtype=aq.SCALE_DTYPE, device=x.device)
     y = torch.empty_like(x2)
     if m:
-        _act_fwd_kernel[(triton.cdiv(m, BM), triton.cdiv(k, BK))](x2, q, e, y, m, k, ACT=act, BM=BM, BK=BK)
+        _act_fwd_kernel[_grid(m, k)](x2, q, e, y, m, k, ACT=act, BM=BM, G=G,
+                                     DEQ_CODES=aq.DEQ_CODES, num_warps=WARPS)
     return y.reshape(x.shape), q.reshape(x.shape), e.reshape(*x.shape[:-1], k // aq.GROUP)
 
 
@@ -110,6 +113,6 @@ def act_backward(q, e, dy, name, *, triton_kernels=None):
     m = q2.shape[0]
     dx = torch.empty(q2.shape, dtype=dy.dtype, device=q.device)
     if m:
-        _act_bwd_kernel[(triton.cdiv(m, BM), triton.cdiv(k, BK))](q2, e.reshape(m, -1), dy.reshape(m, k).contiguous(),
-                                                                  dx, m, k, ACT=act, BM=BM, BK=BK)
+        _act_bwd_kernel[_grid(m, k)](q2, e.reshape(m, -1), dy.reshape(m, k).contiguous(), dx, m, k, ACT=act,
+                                     BM=BM, G=G, num_warps=WARPS)
     return dx.reshape(q.shape)

@@ -12,35 +12,44 @@ import torch
 import triton
 import triton.language as tl
 
-from .act_quant import remember_partials, tensor_amax_partials_ref, tile_amax, use_triton
+from . import act_quant as aq
+from .act_quant import nanmax, remember_partials, tensor_amax_partials_ref, tile_amax0, use_triton
+from .formats import E5M2
 
 
 @triton.jit
-def _rope_kernel(src_ptr, dst_ptr, cos_ptr, sin_ptr, partial_ptr, T, S, SRC_STRIDE, DST_STRIDE, HALF_H,
-                 HALF_D: tl.constexpr, ROTATE: tl.constexpr, SIGN: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
-                 BT: tl.constexpr, BJ: tl.constexpr):
-    pid_t, pid_j = tl.program_id(0), tl.program_id(1)
-    t = (pid_t * BT + tl.arange(0, BT)).to(tl.int64)
-    j = pid_j * BJ + tl.arange(0, BJ)  # pair index: head * HALF_D + i
-    mask = (t[:, None] < T) & (j[None, :] < HALF_H)
-    col1 = (j // HALF_D) * (2 * HALF_D) + j % HALF_D
-    x1 = tl.load(src_ptr + t[:, None] * SRC_STRIDE + col1[None, :], mask=mask, other=0.0)
-    x2 = tl.load(src_ptr + t[:, None] * SRC_STRIDE + col1[None, :] + HALF_D, mask=mask, other=0.0)
-    if ROTATE:
-        pos = t % S
-        c = tl.load(cos_ptr + pos[:, None] * HALF_D + (j % HALF_D)[None, :], mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + pos[:, None] * HALF_D + (j % HALF_D)[None, :], mask=mask, other=0.0).to(tl.float32)
-        s = s * SIGN
-        a, b = x1.to(tl.float32), x2.to(tl.float32)
-        x1 = (a * c - b * s).to(dst_ptr.dtype.element_ty)
-        x2 = (b * c + a * s).to(dst_ptr.dtype.element_ty)
-    tl.store(dst_ptr + t[:, None] * DST_STRIDE + col1[None, :], x1, mask=mask)
-    tl.store(dst_ptr + t[:, None] * DST_STRIDE + col1[None, :] + HALF_D, x2, mask=mask)
-    if WRITE_PARTIAL:  # stage 1 of the E5M2 quantization of d(qkv) by the QKV GEMM's backward
-        a1 = tile_amax(x1.to(tl.float32), mask)
-        a2 = tile_amax(x2.to(tl.float32), mask)
-        tl.store(partial_ptr + pid_t * tl.num_programs(1) + pid_j,
-                 tl.where((a1 != a1) | (a2 != a2), float("nan"), tl.maximum(a1, a2)))
+def _rope_kernel(s0, s1, s2, d0, d1, d2, cos_ptr, sin_ptr, partial_ptr, T, S, SRC_STRIDE, DST_STRIDE, NHEADS,
+                 HALF_D: tl.constexpr, SIGN: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
+                 BT: tl.constexpr, NH: tl.constexpr, ticket_ptr, scale_ptr, NP, FP8_MAX: tl.constexpr,
+                 FINAL: tl.constexpr):
+    """One launch for q, k and v (program_id(1) picks the source/destination pair; v is copied).
+    Tile [BT tokens, NH heads, HALF_D pairs]; cos/sin are loaded at the tile's shape with a zero head stride (same
+    layout as the data, L1 hits) rather than broadcast, which made the compiler shuffle the data tile."""
+    pid_t, which, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    src, dst = s0, d0
+    if which == 1:
+        src, dst = s1, d1
+    if which == 2:
+        src, dst = s2, d2
+    t = (pid_t * BT + tl.arange(0, BT)).to(tl.int64)[:, None, None]
+    hh = (pid_h * NH + tl.arange(0, NH))[None, :, None]
+    i = tl.arange(0, HALF_D)[None, None, :]
+    mask = (t < T) & (hh < NHEADS)
+    col = hh * (2 * HALF_D) + i
+    x1 = tl.load(src + t * SRC_STRIDE + col, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + t * SRC_STRIDE + col + HALF_D, mask=mask, other=0.0).to(tl.float32)
+    toff = (t % S) * HALF_D + i + hh * 0  # always inside the tables: no mask
+    c = tl.load(cos_ptr + toff).to(tl.float32)
+    s = tl.load(sin_ptr + toff).to(tl.float32) * SIGN
+    rot = which < 2
+    y1 = tl.where(rot, x1 * c - x2 * s, x1).to(dst.dtype.element_ty)
+    y2 = tl.where(rot, x2 * c + x1 * s, x2).to(dst.dtype.element_ty)
+    tl.store(dst + t * DST_STRIDE + col, y1, mask=mask)
+    tl.store(dst + t * DST_STRIDE + col + HALF_D, y2, mask=mask)
+    if WRITE_PARTIAL:  # stage 1 of the E5M2 quantization of d(qkv) by the QKV GEMM's backward (masked lanes: 0)
+        a = nanmax(tile_amax0(y1.to(tl.float32)), tile_amax0(y2.to(tl.float32)))
+        aq.store_partial(partial_ptr, (which * tl.num_programs(2) + pid_h) * tl.num_programs(0) + pid_t, a, NP,
+                         ticket_ptr, scale_ptr, FP8_MAX, FINAL)
 
 
 def rope_tables(seq_len, head_dim, base=10000.0, device="cpu"):
@@ -60,17 +69,19 @@ def rope_ref(x, cos, sin, seq_len, head_dim, sign=1.0):
     return torch.cat([a * c - b * s, b * c + a * s], -1).reshape(t, h).to(x.dtype)
 
 
-BT, BJ = 4, 1024
+BT, NH, WARPS = 2, 16, 8  # tokens and heads per program (per thread: 8 pairs of one head and token)
 
 
-def _grid(t, h):
-    return (triton.cdiv(t, BT), triton.cdiv(h // 2, BJ))
+def _grid(t, h, head_dim):
+    return (triton.cdiv(t, BT), 3, triton.cdiv(h // head_dim, NH))
 
 
-def _launch(src, src_stride, dst, dst_stride, cos, sin, t, seq_len, h, head_dim, rotate, sign, partial=None):
-    _rope_kernel[_grid(t, h)](src, dst, cos, sin, partial, t, seq_len, src_stride, dst_stride, h // 2,
-                              HALF_D=head_dim // 2, ROTATE=rotate, SIGN=sign, WRITE_PARTIAL=partial is not None,
-                              BT=BT, BJ=BJ, num_warps=4)
+def _launch(srcs, src_stride, dsts, dst_stride, cos, sin, t, seq_len, h, head_dim, sign, partial=None):
+    _rope_kernel[_grid(t, h, head_dim)](*srcs, *dsts, cos, sin, partial, t, seq_len, src_stride, dst_stride,
+                                        h // head_dim, HALF_D=head_dim // 2, SIGN=sign,
+                                        WRITE_PARTIAL=partial is not None, BT=BT, NH=NH, num_warps=WARPS,
+                                        **aq.partial_kwargs(partial if partial is not None else cos,
+                                                            E5M2 if partial is not None else None))
 
 
 class _RopeSplit(torch.autograd.Function):
@@ -85,8 +96,8 @@ class _RopeSplit(torch.autograd.Function):
             return rope_ref(q, cos, sin, seq_len, head_dim), rope_ref(k, cos, sin, seq_len, head_dim), v.clone()
         qkv = qkv.contiguous()
         outs = [torch.empty(t, h, dtype=qkv.dtype, device=qkv.device) for _ in range(3)]
-        for i, out in enumerate(outs):
-            _launch(qkv[:, i * h:], h3, out, h, cos, sin, t, seq_len, h, head_dim, i < 2, 1.0)
+        if t:
+            _launch([qkv[:, i * h:] for i in range(3)], h3, outs, h, cos, sin, t, seq_len, h, head_dim, 1.0)
         return tuple(outs)
 
     @staticmethod
@@ -99,11 +110,12 @@ class _RopeSplit(torch.autograd.Function):
             remember_partials(dqkv, tensor_amax_partials_ref(dqkv))
             return dqkv, None, None, None, None
         dqkv = torch.empty(t, 3 * h, dtype=dq.dtype, device=dq.device)
-        n = _grid(t, h)[0] * _grid(t, h)[1]
-        partial = torch.empty(3 * n, dtype=torch.float32, device=dq.device)
-        for i, g in enumerate((dq, dk, dv)):
-            _launch(g.contiguous(), h, dqkv[:, i * h:], 3 * h, cos, sin, t, ctx.seq_len, h, ctx.head_dim, i < 2, -1.0,
-                    partial[i * n:(i + 1) * n])
+        grid = _grid(t, h, ctx.head_dim)
+        partial = (torch.empty if t else torch.zeros)(max(grid[0] * grid[1] * grid[2], 1), dtype=torch.float32,
+                                                      device=dq.device)
+        if t:
+            _launch([g.contiguous() for g in (dq, dk, dv)], h, [dqkv[:, i * h:] for i in range(3)], 3 * h, cos, sin,
+                    t, ctx.seq_len, h, ctx.head_dim, -1.0, partial)
         remember_partials(dqkv, partial)
         return dqkv, None, None, None, None
 

@@ -18,13 +18,20 @@ from .formats import E4M3, E5M2
 
 
 @triton.jit
-def _load_pair(q_ptr, e_ptr, rows, pid_f, M, F, BM: tl.constexpr, BF: tl.constexpr):
-    """Dequantized gate and up tiles [BM, BF] (column block pid_f) from the FP8 1x16 copy of x [M, 2F]."""
-    fcols = pid_f * BF + tl.arange(0, BF)
-    mask = (rows[:, None] < M) & (fcols[None, :] < F)
-    gd = aq.dequantize_gathered(q_ptr, e_ptr, rows, fcols, mask, 2 * F)
-    ud = aq.dequantize_gathered(q_ptr, e_ptr, rows, fcols + F, mask, 2 * F)
-    return gd, ud, mask
+def _pair_tile(pid, M, F, BM: tl.constexpr, G: tl.constexpr):
+    """Rows and gate-half 3-D tile of program pid (flat grid, group blocks fastest) of x [M, 2F]; G divides F/16,
+    so a tile never crosses from gate into up. The up tile is at offs + F, eoffs + F // 16."""
+    n_g = (F // 16) // G
+    g0 = (pid % n_g) * G
+    rows = ((pid // n_g) * BM + tl.arange(0, BM)).to(tl.int64)
+    offs, eoffs, mask = aq.group_tile(rows, g0, M, 2 * F, F // 16, G)
+    return rows, g0, offs, eoffs, mask
+
+
+@triton.jit
+def _f_offsets(rows, g0, F, G: tl.constexpr):
+    """Offsets [G, BM, 16] of the same groups in an [M, F] tensor (dy, the product)."""
+    return (g0 + tl.arange(0, G))[:, None, None] * 16 + rows[None, :, None] * F + tl.arange(0, 16)[None, None, :]
 
 
 @triton.jit
@@ -34,69 +41,65 @@ def _sigmoid(g):
 
 @triton.jit
 def _swiglu_fwd_kernel(x_ptr, q_ptr, e_ptr, out_ptr, partial_ptr, M, F, WRITE_OUT: tl.constexpr,
-                       BM: tl.constexpr, BF: tl.constexpr):
-    pid_m, pid_f = tl.program_id(0), tl.program_id(1)
-    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
-    fcols = pid_f * BF + tl.arange(0, BF)
-    mask = (rows[:, None] < M) & (fcols[None, :] < F)
-    offs = rows[:, None] * (2 * F) + fcols[None, :]
+                       BM: tl.constexpr, G: tl.constexpr, DEQ_CODES: tl.constexpr, ticket_ptr, scale_ptr, NP,
+                       FP8_MAX: tl.constexpr, FINAL: tl.constexpr):
+    pid = tl.program_id(0)
+    rows, g0, offs, eoffs, mask = _pair_tile(pid, M, F, BM, G)
     g = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + offs + F, mask=mask, other=0.0).to(tl.float32)
-    gq, ge, gd = aq.quantize_groups(g, BM, BF, 448.0, False)
-    uq, ue, ud = aq.quantize_groups(u, BM, BF, 448.0, False)
+    gq, ge, gd = aq.quantize_groups3(g, 448.0, False, DEQ_CODES)
+    uq, ue, ud = aq.quantize_groups3(u, 448.0, False, DEQ_CODES)
     tl.store(q_ptr + offs, gq, mask=mask)
     tl.store(q_ptr + offs + F, uq, mask=mask)
-    gcols = pid_f * (BF // 16) + tl.arange(0, BF // 16)
-    emask = (rows[:, None] < M) & (gcols[None, :] < F // 16)
-    eoffs = rows[:, None] * (2 * F // 16) + gcols[None, :]
-    tl.store(e_ptr + eoffs, ge.to(tl.bfloat16), mask=emask)
-    tl.store(e_ptr + eoffs + F // 16, ue.to(tl.bfloat16), mask=emask)
+    tl.store(e_ptr + eoffs, ge.to(tl.bfloat16), mask=mask)
+    tl.store(e_ptr + eoffs + F // 16, ue.to(tl.bfloat16), mask=mask)
     p = gd * _sigmoid(gd) * ud
-    tl.store(partial_ptr + pid_m * tl.num_programs(1) + pid_f, aq.tile_amax(p, mask))
+    aq.store_partial(partial_ptr, pid, aq.tile_amax0(p), NP, ticket_ptr, scale_ptr, FP8_MAX, FINAL)  # masked: 0
     if WRITE_OUT:
-        tl.store(out_ptr + rows[:, None] * F + fcols[None, :], p.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + _f_offsets(rows, g0, F, G), p.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _swiglu_cast_kernel(q_ptr, e_ptr, scale_ptr, out_ptr, out_t_ptr, M, F, M_PAD, WRITE_ROW: tl.constexpr,
-                        WRITE_T: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
-    pid_m, pid_f = tl.program_id(0), tl.program_id(1)
-    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
-    fcols = pid_f * BF + tl.arange(0, BF)
-    gd, ud, mask = _load_pair(q_ptr, e_ptr, rows, pid_f, M, F, BM, BF)
-    p = tl.where(mask, gd * _sigmoid(gd) * ud, 0.0)
-    aq.store_cast(p, rows, fcols.to(tl.int64), tl.load(scale_ptr), out_ptr, out_t_ptr, M, F, M_PAD,
-                  WRITE_ROW, WRITE_T, False)
+                        WRITE_T: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, T_MODE: tl.constexpr):
+    pid = tl.program_id(0)
+    rows, g0, offs, eoffs, mask = _pair_tile(pid, M, F, BM, G)
+    gd = aq.load_groups(q_ptr, e_ptr, offs, eoffs, mask)
+    ud = aq.load_groups(q_ptr, e_ptr, offs + F, eoffs + F // 16, mask)
+    p = gd * _sigmoid(gd) * ud  # masked lanes: 0
+    aq.store_cast3(p, rows, g0, tl.load(scale_ptr), out_ptr, out_t_ptr, M, F, M_PAD, G, WRITE_ROW, WRITE_T, False,
+                   T_MODE)
 
 
 @triton.jit
 def _swiglu_bwd_kernel(q_ptr, e_ptr, dy_ptr, dx_ptr, partial_ptr, scale_ptr, out_ptr, out_t_ptr, M, F, M_PAD,
                        CAST: tl.constexpr, WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr,
-                       BM: tl.constexpr, BF: tl.constexpr):
-    pid_m, pid_f = tl.program_id(0), tl.program_id(1)
-    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
-    fcols = pid_f * BF + tl.arange(0, BF)
-    gd, ud, mask = _load_pair(q_ptr, e_ptr, rows, pid_f, M, F, BM, BF)
-    dy = tl.load(dy_ptr + rows[:, None] * F + fcols[None, :], mask=mask, other=0.0).to(tl.float32)
+                       BM: tl.constexpr, G: tl.constexpr, T_MODE: tl.constexpr, ticket_ptr=None, scale_out_ptr=None,
+                       NP=1, FP8_MAX: tl.constexpr = 1.0, FINAL: tl.constexpr = False):
+    pid = tl.program_id(0)
+    rows, g0, offs, eoffs, mask = _pair_tile(pid, M, F, BM, G)
+    gd = aq.load_groups(q_ptr, e_ptr, offs, eoffs, mask)
+    ud = aq.load_groups(q_ptr, e_ptr, offs + F, eoffs + F // 16, mask)
+    dy = tl.load(dy_ptr + _f_offsets(rows, g0, F, G), mask=mask, other=0.0).to(tl.float32)
     s = _sigmoid(gd)
     silu = gd * s
-    dg = tl.where(mask, dy * ud * (s + silu * (1.0 - s)), 0.0).to(tl.bfloat16)
-    du = tl.where(mask, dy * silu, 0.0).to(tl.bfloat16)
+    dg32 = dy * ud * (s + silu * (1.0 - s))  # masked lanes: 0 (gate = up = dy = 0)
+    du32 = dy * silu
+    dg = dg32.to(tl.bfloat16)
+    du = du32.to(tl.bfloat16)
     if CAST:
         scale = tl.load(scale_ptr)
-        fc = fcols.to(tl.int64)
-        aq.store_cast(dg.to(tl.float32), rows, fc, scale, out_ptr, out_t_ptr, M, 2 * F, M_PAD,
-                      WRITE_ROW, WRITE_T, True)
-        aq.store_cast(du.to(tl.float32), rows, fc + F, scale, out_ptr, out_t_ptr, M, 2 * F, M_PAD,
-                      WRITE_ROW, WRITE_T, True)
+        aq.store_cast3(dg.to(tl.float32), rows, g0, scale, out_ptr, out_t_ptr, M, 2 * F, M_PAD, G,
+                       WRITE_ROW, WRITE_T, True, T_MODE)
+        aq.store_cast3(du.to(tl.float32), rows, g0 + F // 16, scale, out_ptr, out_t_ptr, M, 2 * F, M_PAD, G,
+                       WRITE_ROW, WRITE_T, True, T_MODE)
     else:
-        offs = rows[:, None] * (2 * F) + fcols[None, :]
-        tl.store(dx_ptr + offs, dg.to(dx_ptr.dtype.element_ty), mask=mask)
-        tl.store(dx_ptr + offs + F, du.to(dx_ptr.dtype.element_ty), mask=mask)
-        a1 = aq.tile_amax(dg.to(tl.float32), mask)
-        a2 = aq.tile_amax(du.to(tl.float32), mask)
-        tl.store(partial_ptr + pid_m * tl.num_programs(1) + pid_f,
-                 tl.where((a1 != a1) | (a2 != a2), float("nan"), tl.maximum(a1, a2)))
+        if WRITE_ROW:  # BF16 d[gate | up] (WRITE_ROW=False: partial amaxes only)
+            tl.store(dx_ptr + offs, dg.to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_ptr + offs + F, du.to(dx_ptr.dtype.element_ty), mask=mask)
+        # amax of the BF16 values = the BF16 rounding of the fp32 amax (rounding is monotonic): no round trip
+        amax = aq.nanmax(aq.tile_amax0(dg32), aq.tile_amax0(du32)).to(tl.bfloat16).to(tl.float32)
+        aq.store_partial(partial_ptr, pid, amax, NP, ticket_ptr, scale_out_ptr, FP8_MAX, FINAL)
 
 
 # ------------------------------------------------------------------------------------------- torch references
@@ -124,12 +127,27 @@ def swiglu_grad_ref(q, e, dy):
 
 
 # ------------------------------------------------------------------------------------------------ public ops
-FWD_BM, FWD_WARPS, CAST_BM, CAST_WARPS = 16, 4, 64, 8  # best of the H100 sweep
+# (rows, groups, warps) per program, one 1x16 group of gate and of up per thread; transposed outputs take taller
+# tiles (each program then writes 32-byte runs of every transposed row)
+FWD_TILE, BWD_TILE, ROW_TILE, T_TILE, BWD_CAST_TILE = (8, 16, 4), (4, 32, 4), (4, 32, 4), (32, 8, 8), (32, 8, 8)
+T_MODE, BWD_CAST_T_MODE = 2, 2  # aq.store_cast3 (best of the H100 sweep)
 
 
-def _tiles(f):
-    bf = next(b for b in (128, 64, 32, 16) if f % b == 0)
-    return FWD_BM, bf
+def _tiles(f, tile):
+    """(BM, G, warps): G is cut to a power of two dividing F/16 (tiles never straddle gate and up)."""
+    bm, g, w = tile
+    while (f // 16) % g:
+        g //= 2
+    return bm * tile[1] // g, g, w
+
+
+def _grid(m, f, bm, g):
+    return (triton.cdiv(m, bm) * ((f // 16) // g),)
+
+
+def _scale_out(kw):  # the backward kernel's scale_ptr is the cast's input scale: the stage-2 output is scale_out_ptr
+    kw["scale_out_ptr"] = kw.pop("scale_ptr")
+    return kw
 
 
 def _check(x):
@@ -150,12 +168,12 @@ def swiglu_forward(x2d, *, write_out=False, triton_kernels=None):
     q = torch.empty(m, f2, dtype=E4M3.dtype, device=x2d.device)
     e = torch.empty(m, f2 // aq.GROUP, dtype=aq.SCALE_DTYPE, device=x2d.device)
     out = torch.empty(m, f, dtype=x2d.dtype, device=x2d.device) if write_out else None
-    bm, bf = _tiles(f)
-    grid = (triton.cdiv(m, bm), f // bf)
-    partial = (torch.empty if m else torch.zeros)(max(grid[0] * grid[1], 1), dtype=torch.float32, device=x2d.device)
+    bm, g, w = _tiles(f, FWD_TILE)
+    grid = _grid(m, f, bm, g)
+    partial = (torch.empty if m else torch.zeros)(max(grid[0], 1), dtype=torch.float32, device=x2d.device)
     if m:
-        _swiglu_fwd_kernel[grid](x2d, q, e, out, partial, m, f, WRITE_OUT=write_out, BM=bm, BF=bf,
-                                 num_warps=FWD_WARPS)
+        _swiglu_fwd_kernel[grid](x2d, q, e, out, partial, m, f, WRITE_OUT=write_out, BM=bm, G=g,
+                                 DEQ_CODES=aq.DEQ_CODES, num_warps=w, **aq.partial_kwargs(partial, E4M3))
     return q, e, partial, out
 
 
@@ -171,10 +189,11 @@ def swiglu_cast(q, e, scale, *, write_row=True, write_t=False, triton_kernels=No
     mp = aq.pad16(m)
     out = torch.empty(m, f, dtype=E4M3.dtype, device=q.device) if write_row else None
     out_t = torch.empty(f, mp, dtype=E4M3.dtype, device=q.device) if write_t else None
-    bm, bf = CAST_BM, _tiles(f)[1]
-    grid = (triton.cdiv(mp if write_t else m, bm), f // bf)
-    _swiglu_cast_kernel[grid](q, e, scale, out, out_t, m, f, mp, WRITE_ROW=write_row, WRITE_T=write_t,
-                              BM=bm, BF=bf, num_warps=CAST_WARPS)
+    bm, g, w = _tiles(f, T_TILE if write_t else ROW_TILE)
+    grid = _grid(mp if write_t else m, f, bm, g)
+    if grid[0]:
+        _swiglu_cast_kernel[grid](q, e, scale, out, out_t, m, f, mp, WRITE_ROW=write_row, WRITE_T=write_t,
+                                  BM=bm, G=g, T_MODE=T_MODE, num_warps=w)
     return out, out_t
 
 
@@ -186,13 +205,31 @@ def swiglu_backward(q, e, dy, *, triton_kernels=None):
     m, f2 = q.shape
     f = f2 // 2
     dx = torch.empty(m, f2, dtype=torch.bfloat16, device=q.device)
-    bm, bf = _tiles(f)
-    grid = (triton.cdiv(m, bm), f // bf)
-    partial = (torch.empty if m else torch.zeros)(max(grid[0] * grid[1], 1), dtype=torch.float32, device=q.device)
+    bm, g, w = _tiles(f, BWD_TILE)
+    grid = _grid(m, f, bm, g)
+    partial = (torch.empty if m else torch.zeros)(max(grid[0], 1), dtype=torch.float32, device=q.device)
     if m:
         _swiglu_bwd_kernel[grid](q, e, dy.contiguous(), dx, partial, None, None, None, m, f, 0, CAST=False,
-                                 WRITE_ROW=False, WRITE_T=False, BM=bm, BF=bf, num_warps=FWD_WARPS)
+                                 WRITE_ROW=True, WRITE_T=False, BM=bm, G=g, T_MODE=0, num_warps=w,
+                                 **_scale_out(aq.partial_kwargs(partial, E5M2)))
     return dx, partial
+
+
+def swiglu_backward_amax(q, e, dy, *, triton_kernels=None):
+    """Stage-1 partial amaxes of d[gate | up] (as BF16 values) without writing it: the first pass of
+    `swiglu_backward_cast`, which then recomputes it straight into E5M2."""
+    if not (aq.use_triton(q) if triton_kernels is None else triton_kernels):
+        return aq.tensor_amax_partials_ref(swiglu_grad_ref(q, e, dy))
+    m, f2 = q.shape
+    f = f2 // 2
+    bm, g, w = _tiles(f, BWD_TILE)
+    grid = _grid(m, f, bm, g)
+    partial = (torch.empty if m else torch.zeros)(max(grid[0], 1), dtype=torch.float32, device=q.device)
+    if m:
+        _swiglu_bwd_kernel[grid](q, e, dy.contiguous(), None, partial, None, None, None, m, f, 0, CAST=False,
+                                 WRITE_ROW=False, WRITE_T=False, BM=bm, G=g, T_MODE=0, num_warps=w,
+                                 **_scale_out(aq.partial_kwargs(partial, E5M2)))
+    return partial
 
 
 def swiglu_backward_cast(q, e, dy, scale, *, write_row=True, write_t=True, triton_kernels=None):
@@ -204,8 +241,10 @@ def swiglu_backward_cast(q, e, dy, scale, *, write_row=True, write_t=True, trito
     mp = aq.pad16(m)
     out = torch.empty(m, f2, dtype=E5M2.dtype, device=q.device) if write_row else None
     out_t = torch.empty(f2, mp, dtype=E5M2.dtype, device=q.device) if write_t else None
-    bm, bf = CAST_BM, _tiles(f)[1]
-    grid = (triton.cdiv(mp if write_t else m, bm), f // bf)
-    _swiglu_bwd_kernel[grid](q, e, dy.contiguous(), None, None, scale, out, out_t, m, f, mp, CAST=True,
-                             WRITE_ROW=write_row, WRITE_T=write_t, BM=bm, BF=bf, num_warps=CAST_WARPS)
+    bm, g, w = _tiles(f, BWD_CAST_TILE if write_t else ROW_TILE)
+    grid = _grid(mp if write_t else m, f, bm, g)
+    if grid[0]:
+        _swiglu_bwd_kernel[grid](q, e, dy.contiguous(), None, None, scale, out, out_t, m, f, mp, CAST=True,
+                                 WRITE_ROW=write_row, WRITE_T=write_t, BM=bm, G=g, T_MODE=BWD_CAST_T_MODE,
+                                 num_warps=w)
     return out, out_t

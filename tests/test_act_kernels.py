@@ -181,7 +181,12 @@ def test_swiglu_kernels_match_reference():
     ds = aq.tensor_scale(gb, E5M2)
     ca = act_swiglu.swiglu_backward_cast(ref[0], ref[1], dy, ds, triton_kernels=True)
     cb = act_swiglu.swiglu_backward_cast(ref[0], ref[1], dy, ds, triton_kernels=False)
-    assert close_fp8(ca[0], cb[0]) and close_fp8(ca[1], cb[1])
+    assert close_fp8(ca[0], cb[0], frac=0.04) and close_fp8(ca[1], cb[1], frac=0.04)
+    # exact against the cast of the kernel's own BF16 gradient (the interpreter truncates to BF16, so about half
+    # of them are one BF16 step off the reference's, which moves 1-2% of the E5M2 codes by one step)
+    cc = aq.cast(ga, ds, E5M2, write_t=True, triton_kernels=False)
+    assert same(ca[0], cc[0]) and same(ca[1], cc[1])
+    assert same(act_swiglu.swiglu_backward_amax(ref[0], ref[1], dy, triton_kernels=True).max(), pa.max())
 
 
 @pytest.mark.parametrize("name,fn", [("silu", torch.nn.functional.silu), ("gelu", torch.nn.functional.gelu)])
@@ -231,3 +236,73 @@ def test_gradient_partials_are_handed_over_only_to_the_same_unchanged_tensor():
     aq.remember_partials(t, p)
     t.add_(1.0)  # in-place change after the amax was taken
     assert aq.take_partials(t) is None
+
+
+@pytest.mark.parametrize("t_mode", [0, 1, 2])
+def test_transposed_cast_modes_agree(monkeypatch, t_mode):
+    """Every way store_cast3 can write the transposed copy (3-D permute, reshape + trans, permute + reshape) gives
+    the reference codes, for tiles that do and do not divide the shape."""
+    monkeypatch.setattr(act_norm, "T_MODE", t_mode)
+    monkeypatch.setattr(act_swiglu, "T_MODE", t_mode)
+    monkeypatch.setattr(act_swiglu, "BWD_CAST_T_MODE", t_mode)
+    torch.manual_seed(t_mode)
+    m, h, f = 37, 96, 64
+    x = spread(m, h, seed=7) * 0.01
+    w = (1 + 0.1 * torch.randn(h)).bfloat16()
+    _, q, e, _, rstd, part = act_norm.norm_forward(x, w, None, triton_kernels=False)
+    s = aq.finalize_scale(part, E4M3)
+    ta = act_norm.norm_cast(q, e, None, rstd, w, None, s, write_row=False, write_t=True, triton_kernels=True)[1]
+    tb = act_norm.norm_cast(q, e, None, rstd, w, None, s, write_row=False, write_t=True, triton_kernels=False)[1]
+    assert ta.shape == tb.shape == (h, 48) and close_fp8(ta, tb)
+    gq, ge, gp, _ = act_swiglu.swiglu_forward(spread(m, 2 * f, seed=8) * 0.01, triton_kernels=False)
+    s = aq.finalize_scale(gp, E4M3)
+    ta = act_swiglu.swiglu_cast(gq, ge, s, write_row=False, write_t=True, triton_kernels=True)[1]
+    tb = act_swiglu.swiglu_cast(gq, ge, s, write_row=False, write_t=True, triton_kernels=False)[1]
+    assert close_fp8(ta, tb)
+    dy = torch.randn(m, f).bfloat16()
+    ds = aq.tensor_scale(act_swiglu.swiglu_grad_ref(gq, ge, dy), E5M2)
+    ca = act_swiglu.swiglu_backward_cast(gq, ge, dy, ds, triton_kernels=True)
+    cb = act_swiglu.swiglu_backward_cast(gq, ge, dy, ds, triton_kernels=False)
+    assert close_fp8(ca[0], cb[0]) and close_fp8(ca[1], cb[1])
+
+
+def test_stage_two_runs_in_the_producing_launch(monkeypatch):
+    """Kernels that write partial amaxes also reduce them to the scale (the last program to finish does it), so
+    finalize_scale launches nothing; the result equals the separate reduction, and the tickets are left at 0."""
+    monkeypatch.setattr(aq, "AMAX_BLOCK", 1024)
+    x = spread(300, 64, seed=9)
+    for fmt in (E4M3, E5M2):
+        partial = aq.amax_partials(x, fmt, triton_kernels=True)
+        assert partial.numel() > 1
+        attached = aq.finalize_scale(partial, fmt, triton_kernels=True)
+        separate = aq.finalize_scale(partial.clone(), fmt, triton_kernels=True)  # a clone has no attached scale
+        assert torch.equal(attached, separate) and torch.equal(attached, aq.tensor_scale_ref(x, fmt))
+    _, q, e, _, rstd, part = act_norm.norm_forward(x, torch.ones(64), None, triton_kernels=True)
+    assert torch.equal(aq.finalize_scale(part, E4M3, triton_kernels=True),
+                       aq.finalize_scale(part.clone(), E4M3, triton_kernels=True))
+    x[17, 3] = float("inf")
+    assert math.isnan(aq.tensor_scale(x, E4M3, triton_kernels=True).item())
+    assert not bool(aq._TICKETS[torch.device("cpu")][0].any())
+
+
+def test_blocks_launch_no_separate_finalize(monkeypatch):
+    from coat_kernels import blocks
+    monkeypatch.setenv("COAT_ACT_BACKEND", "triton")
+    launches = []
+    real = aq._finalize_scale_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(aq, "_finalize_scale_kernel", Counting())
+    torch.manual_seed(3)
+    x = torch.randn(40, 64).bfloat16().requires_grad_()
+    nw, w, w1, w2 = (torch.ones(64).bfloat16(), torch.randn(96, 64).bfloat16() / 8, torch.randn(96, 64).bfloat16() / 8,
+                     torch.randn(64, 48).bfloat16() / 7)
+    y, xr = blocks.fp8_norm_linear(x, nw, None, w, residual_out=True)
+    out, h = blocks.fp8_norm_swiglu_mlp(y[:, :64].contiguous(), nw, None, w1, w2, residual=xr)
+    (out + h).sum().backward()
+    assert x.grad is not None and bool(torch.isfinite(x.grad.float()).all())
+    assert launches == []  # every scale was reduced in the launch that produced its partials
