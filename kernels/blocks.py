@@ -10,6 +10,8 @@ What each block saves (docs/activations.md has the memory accounting):
 - fp8_norm_linear / fp8_add_norm_linear: the norm input (or the residual sum) as E4M3 1x16 + per-row statistics;
   the GEMM input is recomputed from it in backward (same values, same scale).
 - fp8_swiglu_linear: gate/up as E4M3 1x16; silu, the product and its FP8 transpose are recomputed in backward.
+- fp8_norm_swiglu_mlp: norm -> fc1 -> SwiGLU -> fc2 in one node (what the three above save); backward takes the
+  SwiGLU input gradient straight to E5M2 without writing it in BF16.
 - fp8_swiglu, fp8_gelu, fp8_silu: their input as E4M3 1x16.
 Gradients: the output gradient of every GEMM is quantized to per-tensor E5M2 (row-major for dgrad, transposed
 for wgrad); dgrad = E5M2 x E4M3, wgrad = E5M2 x E4M3, fp32 accumulation.
@@ -24,8 +26,8 @@ from . import act_norm, act_pointwise, act_quant as aq, act_swiglu
 from .act_gemm import check_gemm_dims, fp8_gemm
 from .formats import E4M3, E5M2
 
-__all__ = ["WeightCache", "fp8_linear", "fp8_norm_linear", "fp8_add_norm_linear", "fp8_swiglu",
-           "fp8_swiglu_linear", "fp8_gelu", "fp8_silu"]
+__all__ = ["WeightCache", "fp8_linear", "fp8_norm_linear", "fp8_add_norm_linear", "fp8_norm_swiglu_mlp",
+           "fp8_swiglu", "fp8_swiglu_linear", "fp8_gelu", "fp8_silu"]
 
 
 class WeightCache:
@@ -146,7 +148,8 @@ def fp8_linear(x, weight, bias=None, *, weight_cache: WeightCache | None = None,
 
 class _Fp8NormLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, norm_weight, norm_bias, weight, bias, cache, kind, eps, zero_centered):
+    def forward(ctx, x, residual, norm_weight, norm_bias, weight, bias, cache, kind, eps, zero_centered,
+                residual_out=False):
         hdim, n = x.shape[-1], weight.shape[0]
         check_gemm_dims(hdim, n, "fp8_norm_linear")
         x2 = x.reshape(-1, hdim)
@@ -159,12 +162,14 @@ class _Fp8NormLinear(torch.autograd.Function):
         ctx.forward_w_scale = w_scale  # identity check against the cache in backward
         ctx.out_dtype, ctx.cache, ctx.weight_index, ctx.zero_centered = _out_dtype(x), cache, 4, zero_centered
         ctx.has_bias, ctx.bias_dtype = bias is not None, (bias.dtype if bias is not None else None)
-        ctx.has_residual, ctx.shape = residual is not None, x.shape
+        ctx.has_residual, ctx.residual_out, ctx.shape = residual is not None, residual_out, x.shape
         ctx.save_for_backward(q, e, mean, rstd, norm_weight, norm_bias, weight, y_scale, w_scale)
         out = fp8_gemm(y8, w8, y_scale, w_scale, ctx.out_dtype, bias).reshape(*x.shape[:-1], n)
-        if residual is None:
-            return out
-        return out, h.reshape(x.shape)
+        if residual is not None:
+            return out, h.reshape(x.shape)
+        if residual_out:  # x itself, as the residual stream: its gradient joins the norm backward (no add)
+            return out, x
+        return out
 
     @staticmethod
     def backward(ctx, dout, dh=None):
@@ -179,7 +184,7 @@ class _Fp8NormLinear(torch.autograd.Function):
                                            norm_out_t, need_dx)
         dx = dnw = dnb = None
         if need_dx:
-            dres = dh.reshape(q.shape) if (ctx.has_residual and dh is not None) else None
+            dres = dh.reshape(q.shape) if ((ctx.has_residual or ctx.residual_out) and dh is not None) else None
             dx, dnw, dnb, partial = act_norm.norm_backward(q, e, mean, rstd, norm_weight, dy_norm, dres=dres,
                                                            has_bias=norm_bias is not None,
                                                            zero_centered=ctx.zero_centered, partial_amax=True)
@@ -187,14 +192,17 @@ class _Fp8NormLinear(torch.autograd.Function):
             aq.remember_partials(dx, partial)
             dnw = dnw.to(norm_weight.dtype)
             dnb = dnb.to(norm_bias.dtype) if dnb is not None else None
-        return dx, (dx if ctx.has_residual else None), dnw, dnb, dw, db, None, None, None, None
+        return dx, (dx if ctx.has_residual else None), dnw, dnb, dw, db, None, None, None, None, None
 
 
 def fp8_norm_linear(x, norm_weight, norm_bias, weight, bias=None, *, norm="rmsnorm", eps=1e-5,
-                    zero_centered_gamma=False, weight_cache: WeightCache | None = None):
-    """linear(norm(x)): saves x as E4M3 1x16 (+ row statistics); the GEMM input is recomputed in backward."""
+                    zero_centered_gamma=False, weight_cache: WeightCache | None = None, residual_out: bool = False):
+    """linear(norm(x)): saves x as E4M3 1x16 (+ row statistics); the GEMM input is recomputed in backward.
+    residual_out=True returns (y, x'): x' is x (a view of it) to use as the residual stream; the gradient that
+    reaches x' is added to the norm's input gradient inside the norm-backward kernel, instead of autograd adding
+    the two gradients of x in a separate pass."""
     return _Fp8NormLinear.apply(x, None, norm_weight, norm_bias, weight, bias, weight_cache, norm, eps,
-                                zero_centered_gamma)
+                                zero_centered_gamma, residual_out)
 
 
 def fp8_add_norm_linear(x, residual, norm_weight, norm_bias, weight, bias=None, *, norm="rmsnorm", eps=1e-5,
@@ -203,6 +211,110 @@ def fp8_add_norm_linear(x, residual, norm_weight, norm_bias, weight, bias=None, 
     the norm's statistics; backward adds h's incoming gradient inside the norm-backward kernel."""
     return _Fp8NormLinear.apply(x, residual, norm_weight, norm_bias, weight, bias, weight_cache, norm, eps,
                                 zero_centered_gamma)
+
+
+class _Fp8NormMLP(torch.autograd.Function):
+    """norm -> fc1 -> SwiGLU -> fc2 in one node, so that backward can take d[gate | up] straight to E5M2: a pass
+    that only computes its partial amaxes, then `swiglu_backward_cast` recomputing it into the row-major and
+    transposed E5M2 operands of fc1's dgrad and wgrad (the BF16 gradient is never written; 2 bytes/element less
+    written and read than the unfused blocks). Saves exactly what fp8_(add_)norm_linear + fp8_swiglu_linear save."""
+
+    @staticmethod
+    def forward(ctx, x, residual, norm_weight, norm_bias, w1, b1, w2, b2, cache1, cache2, kind, eps, zero_centered):
+        hdim, f2, n = x.shape[-1], w1.shape[0], w2.shape[0]
+        check_gemm_dims(hdim, f2, "fp8_norm_swiglu_mlp fc1")
+        check_gemm_dims(f2 // 2, n, "fp8_norm_swiglu_mlp fc2")
+        x2 = x.reshape(-1, hdim)
+        r2 = residual.reshape(-1, hdim) if residual is not None else None
+        h, q, e, mean, rstd, partial = act_norm.norm_forward(x2, norm_weight, norm_bias, residual=r2, kind=kind,
+                                                             eps=eps, zero_centered=zero_centered)
+        y_scale = aq.finalize_scale(partial, E4M3)
+        y8, _ = act_norm.norm_cast(q, e, mean, rstd, norm_weight, norm_bias, y_scale, zero_centered=zero_centered)
+        w1_8, w1_scale = _weight_rows(w1, cache1)
+        out_dtype = _out_dtype(x)
+        a = fp8_gemm(y8, w1_8, y_scale, w1_scale, out_dtype, b1)
+        del y8
+        qa, ea, pa, _ = act_swiglu.swiglu_forward(a)
+        del a
+        p_scale = aq.finalize_scale(pa, E4M3)
+        p8, _ = act_swiglu.swiglu_cast(qa, ea, p_scale)
+        w2_8, w2_scale = _weight_rows(w2, cache2)
+        out = fp8_gemm(p8, w2_8, p_scale, w2_scale, out_dtype, b2).reshape(*x.shape[:-1], n)
+        ctx.fwd_w1_scale, ctx.fwd_w2_scale = w1_scale, w2_scale  # identity checks against the caches
+        ctx.cache1, ctx.cache2, ctx.out_dtype, ctx.zero_centered = cache1, cache2, out_dtype, zero_centered
+        ctx.has_residual, ctx.shape = residual is not None, x.shape
+        ctx.b1_dtype = b1.dtype if b1 is not None else None
+        ctx.b2_dtype = b2.dtype if b2 is not None else None
+        ctx.save_for_backward(q, e, mean, rstd, norm_weight, norm_bias, w1, w2, y_scale, w1_scale, qa, ea, p_scale,
+                              w2_scale)
+        if residual is None:
+            return out
+        return out, h.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, dout, dh=None):
+        q, e, mean, rstd, norm_weight, norm_bias, w1, w2, y_scale, w1_scale, qa, ea, p_scale, w2_scale = \
+            ctx.saved_tensors
+        need = ctx.needs_input_grad
+        need_dx = any(need[:4])
+        need_da = need_dx or need[4] or need[5]  # anything below fc2 (fc1 weight/bias, norm, input)
+        # fc2
+        dy2 = dout.reshape(-1, w2.shape[0])
+        dy8, dy8_t, dy_scale = aq.quantize_tensor(dy2, E5M2, write_row=need_da, write_t=need[6],
+                                                  partial=aq.take_partials(dout))
+        dw2 = db2 = dp = None
+        if need[6]:
+            p8_t = act_swiglu.swiglu_cast(qa, ea, p_scale, write_row=False, write_t=True)[1]
+            dw2 = fp8_gemm(dy8_t, p8_t, dy_scale, p_scale, w2.dtype)
+            del p8_t
+        if need[7] and ctx.b2_dtype is not None:
+            db2 = dy2.float().sum(0).to(ctx.b2_dtype)
+        dx = dres = dnw = dnb = dw1 = db1 = None
+        if not need_da:
+            return dx, dres, dnw, dnb, dw1, db1, dw2, db2, None, None, None, None, None
+        w2_8t = _weight_transposed(w2, w2_scale, ctx.cache2, ctx.fwd_w2_scale)
+        dp = fp8_gemm(dy8, w2_8t, dy_scale, w2_scale, ctx.out_dtype)
+        del dy8, dy8_t, w2_8t
+        # SwiGLU: d[gate | up] straight to E5M2 (a BF16 copy only if fc1 has a bias to reduce)
+        if ctx.b1_dtype is not None:
+            da, partial = act_swiglu.swiglu_backward(qa, ea, dp)
+            if need[5]:
+                db1 = da.float().sum(0).to(ctx.b1_dtype)
+            da8, da8_t, da_scale = aq.quantize_tensor(da, E5M2, write_row=need_dx, write_t=need[4], partial=partial)
+            del da
+        else:
+            da_scale = aq.finalize_scale(act_swiglu.swiglu_backward_amax(qa, ea, dp), E5M2)
+            da8, da8_t = act_swiglu.swiglu_backward_cast(qa, ea, dp, da_scale, write_row=need_dx, write_t=need[4])
+        del dp
+        if need[4]:
+            y8_t = act_norm.norm_cast(q, e, mean, rstd, norm_weight, norm_bias, y_scale,
+                                      zero_centered=ctx.zero_centered, write_row=False, write_t=True)[1]
+            dw1 = fp8_gemm(da8_t, y8_t, da_scale, y_scale, w1.dtype)
+            del y8_t, da8_t
+        if need_dx:
+            w1_8t = _weight_transposed(w1, w1_scale, ctx.cache1, ctx.fwd_w1_scale)
+            dyn = fp8_gemm(da8, w1_8t, da_scale, w1_scale, ctx.out_dtype)
+            del da8, w1_8t
+            dres_in = dh.reshape(q.shape) if (ctx.has_residual and dh is not None) else None
+            dx, dnw, dnb, partial = act_norm.norm_backward(q, e, mean, rstd, norm_weight, dyn, dres=dres_in,
+                                                           has_bias=norm_bias is not None,
+                                                           zero_centered=ctx.zero_centered, partial_amax=True)
+            dx = dx.reshape(ctx.shape)
+            aq.remember_partials(dx, partial)
+            dnw = dnw.to(norm_weight.dtype)
+            dnb = dnb.to(norm_bias.dtype) if dnb is not None else None
+            dres = dx if ctx.has_residual else None
+        return dx, dres, dnw, dnb, dw1, db1, dw2, db2, None, None, None, None, None
+
+
+def fp8_norm_swiglu_mlp(x, norm_weight, norm_bias, fc1_weight, fc2_weight, fc1_bias=None, fc2_bias=None, *,
+                        residual=None, norm="rmsnorm", eps=1e-5, zero_centered_gamma=False,
+                        fc1_cache: WeightCache | None = None, fc2_cache: WeightCache | None = None):
+    """fc2(silu(gate) * up), [gate | up] = fc1(norm(h)), h = x (+ residual): TransformerEngine's LayerNormMLP
+    with SwiGLU, on COAT's FP8 flow. Returns y, or (y, h) with a residual (h as in fp8_add_norm_linear). Same
+    numerics and saved tensors as fp8_(add_)norm_linear followed by fp8_swiglu_linear; faster backward."""
+    return _Fp8NormMLP.apply(x, residual, norm_weight, norm_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
+                             fc1_cache, fc2_cache, norm, eps, zero_centered_gamma)
 
 
 class _Fp8SwigluLinear(torch.autograd.Function):

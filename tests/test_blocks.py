@@ -154,6 +154,68 @@ def test_fp8_swiglu_linear_and_swiglu(backend):
     assert saved_bytes(blocks.fp8_swiglu, *a) == {torch.float8_e4m3fn: 20 * 96, torch.bfloat16: 2 * 20 * 96 // 16}
 
 
+def test_norm_linear_residual_out_adds_the_residual_gradient_in_the_norm_backward(backend):
+    torch.manual_seed(11)
+    x, nw, w = torch.randn(24, 64), 1 + 0.1 * torch.randn(64), torch.randn(32, 64) / 8
+    dy, dr = torch.randn(24, 32).bfloat16(), torch.randn(24, 64).bfloat16()
+    a, b = leaves(x.bfloat16()), leaves(x.bfloat16())
+    y, xr = blocks.fp8_norm_linear(a[0], nw.bfloat16(), None, w.bfloat16(), residual_out=True)
+    assert torch.equal(xr, a[0]) and xr.grad_fn is not None
+    torch.autograd.backward([y, xr * 2], [dy, dr])
+    y2 = blocks.fp8_norm_linear(b[0], nw.bfloat16(), None, w.bfloat16())
+    torch.autograd.backward([y2, b[0] * 2], [dy, dr])  # x used twice: autograd adds the two gradients
+    assert torch.equal(y, y2)
+    assert torch.allclose(a[0].grad.float(), b[0].grad.float(), rtol=2 ** -7, atol=1e-2)
+
+
+def _mlp_inputs(seed, residual):
+    torch.manual_seed(seed)
+    x, r, nw = torch.randn(3, 13, 64), torch.randn(3, 13, 64), 1 + 0.1 * torch.randn(64)
+    w1, w2 = torch.randn(96, 64) / 8, torch.randn(64, 48) / 7
+    ins = [x, r, nw, w1, w2] if residual else [x, nw, w1, w2]
+    return ins, torch.randn(3, 13, 64), torch.randn(3, 13, 64)
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_fp8_norm_swiglu_mlp_equals_the_unfused_blocks(backend, residual):
+    """The fused MLP is the unfused blocks' computation (same quantizers, same GEMMs): identical outputs and
+    gradients, the same saved tensors, and within the fp32 bounds."""
+    ins32, dy, dh = _mlp_inputs(12, residual)
+
+    def fused(*t):
+        x, r, nw, w1, w2 = t if residual else (t[0], None, *t[1:])
+        return blocks.fp8_norm_swiglu_mlp(x, nw, None, w1, w2, residual=r)
+
+    def unfused(*t):
+        if residual:
+            x, r, nw, w1, w2 = t
+            a, h = blocks.fp8_add_norm_linear(x, r, nw, None, w1)
+            return blocks.fp8_swiglu_linear(a, w2), h
+        x, nw, w1, w2 = t
+        return blocks.fp8_swiglu_linear(blocks.fp8_norm_linear(x, nw, None, w1), w2)
+
+    def reference(*t):
+        x, r, nw, w1, w2 = t if residual else (t[0], None, *t[1:])
+        h = x + r if residual else x
+        g, u = F.linear(F.rms_norm(h, (64,), nw, 1e-5), w1).chunk(2, -1)
+        y = F.linear(F.silu(g) * u, w2)
+        return (y, h) if residual else y
+
+    results = []
+    for fn, dtype in ((fused, torch.bfloat16), (unfused, torch.bfloat16), (reference, torch.float32)):
+        ins = leaves(*(t.to(dtype) for t in ins32))
+        outs = fn(*ins)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        torch.autograd.backward(outs, [dy.to(dtype), dh.to(dtype)][:len(outs)])
+        results.append((outs, [t.grad for t in ins]))
+    (fo, fg), (uo, ug), (ro, rg) = results
+    for a, b in zip(fo + tuple(fg), uo + tuple(ug)):
+        assert torch.equal(a, b)
+    check(fo[0], fg, ro[0], rg)
+    params = leaves(*(t.bfloat16() for t in ins32))
+    assert saved_bytes(fused, *params, params=params[1:]) == saved_bytes(unfused, *params, params=params[1:])
+
+
 @pytest.mark.parametrize("name,fn,ref", [("gelu", blocks.fp8_gelu, F.gelu), ("silu", blocks.fp8_silu, F.silu)])
 def test_pointwise_blocks(backend, name, fn, ref):
     torch.manual_seed(5)
