@@ -136,6 +136,23 @@ class CoatLlamaLayer(nn.Module):
         return (hsum + y).view(b, s, h)
 
 
+class FastAccumFprop(nn.Module):
+    """A COAT layer whose forward GEMMs use fast FP8 accumulation (act_gemm.FPROP_FAST_ACCUM), as TE's fprop and
+    torchao's tensorwise recipe do; the gradient GEMMs keep fp32 accumulation."""
+
+    def __init__(self, coat):
+        super().__init__()
+        self.coat = coat
+
+    def forward(self, x):
+        from coat_kernels import act_gemm
+        act_gemm.FPROP_FAST_ACCUM = True
+        try:
+            return self.coat(x)
+        finally:
+            act_gemm.FPROP_FAST_ACCUM = False
+
+
 class TeLlamaLayer(nn.Module):
     """TransformerEngine's modules (LayerNormLinear + Linear + LayerNormMLP with SwiGLU, RMSNorm, no biases) around
     the same RoPE kernel and SDPA; recipe None = BF16. Its own parameters, copied from the BF16 layer."""
@@ -870,7 +887,8 @@ def main():
         errs = {"BF16 eager": layer_errors(ref32, layer, named, list(ref32.parameters()), x),
                 "COAT": layer_errors(ref32, coat, named, list(ref32.parameters()), x),
                 "COAT unfused": layer_errors(ref32, CoatLlamaLayer(layer, fused=False), named,
-                                             list(ref32.parameters()), x)}
+                                             list(ref32.parameters()), x),
+                "COAT fast-acc fprop": layer_errors(ref32, FastAccumFprop(coat), named, list(ref32.parameters()), x)}
         os.environ["COAT_ACT_BACKEND"] = "torch"  # the torch references on the GPU: separates kernel bugs from FP8
         try:
             errs["COAT torch-ref"] = layer_errors(ref32, coat, named, list(ref32.parameters()), x)
@@ -878,7 +896,7 @@ def main():
             del os.environ["COAT_ACT_BACKEND"]
         log("Relative L2 error vs the fp32 layer (same weights/inputs):")
         for k, v in errs.items():
-            log(f"  {k:14s} " + "  ".join(f"{n}={e:.4f}" for n, e in v.items()))
+            log(f"  {k:20s} " + "  ".join(f"{n}={e:.4f}" for n, e in v.items()))
         return errs
 
     step("errors_vs_fp32", errors)
@@ -894,6 +912,8 @@ def main():
                  ("COAT + warm WeightCache (micro-batch >= 2)", CoatLlamaLayer(layer, weight_cache=True))]
         if "unfused" not in skip:
             first.append(("COAT, unfused blocks", CoatLlamaLayer(layer, fused=False)))
+        if "fastacc" not in skip:
+            first.append(("COAT, fast-accumulation forward GEMMs", FastAccumFprop(coat)))
         first.append(("BF16 eager", layer))
         run_variants(first, x, params, args.iters, rows)
         results["layer"] = rows

@@ -18,11 +18,19 @@ def check_gemm_dims(k: int, n: int, what: str):
                          f"got in_features={k}, out_features={n}")
 
 
+# Forward GEMMs with Hopper's fast FP8 accumulation (partial sums kept in the tensor core's reduced precision, no
+# periodic promotion to fp32), as TransformerEngine's fprop and torchao's tensorwise recipe do. Off by default:
+# COAT specifies fp32 accumulation; gradients always accumulate precisely.
+FPROP_FAST_ACCUM = False
+
+
 def fp8_gemm(a: torch.Tensor, b_rows: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-             out_dtype=torch.bfloat16, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """a [M, K] fp8 row-major, b_rows [N, K] fp8 row-major -> a @ b_rows.T * scale_a * scale_b (+ bias), [M, N]."""
+             out_dtype=torch.bfloat16, bias: torch.Tensor | None = None, *, fprop: bool = False) -> torch.Tensor:
+    """a [M, K] fp8 row-major, b_rows [N, K] fp8 row-major -> a @ b_rows.T * scale_a * scale_b (+ bias), [M, N].
+    fprop=True marks a forward GEMM (fast accumulation when FPROP_FAST_ACCUM)."""
     if a.shape[0] == 0:
         return torch.zeros(0, b_rows.shape[0], dtype=out_dtype, device=a.device)
     if bias is not None and bias.dtype != out_dtype:
         bias = bias.to(out_dtype)
-    return torch._scaled_mm(a, b_rows.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+    return torch._scaled_mm(a, b_rows.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
+                            use_fast_accum=bool(fprop and FPROP_FAST_ACCUM))

@@ -120,7 +120,7 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.out_dtype, ctx.cache, ctx.reuse_input, ctx.weight_index = _out_dtype(x), cache, reuse_input, 1
         ctx.has_bias, ctx.bias_dtype = bias is not None, (bias.dtype if bias is not None else None)
         ctx.save_for_backward(x if reuse_input else x8_t, weight, x_scale, w_scale)
-        y = fp8_gemm(x8, w8, x_scale, w_scale, ctx.out_dtype, bias)
+        y = fp8_gemm(x8, w8, x_scale, w_scale, ctx.out_dtype, bias, fprop=True)
         return y.reshape(*x.shape[:-1], n)
 
     @staticmethod
@@ -164,7 +164,7 @@ class _Fp8NormLinear(torch.autograd.Function):
         ctx.has_bias, ctx.bias_dtype = bias is not None, (bias.dtype if bias is not None else None)
         ctx.has_residual, ctx.residual_out, ctx.shape = residual is not None, residual_out, x.shape
         ctx.save_for_backward(q, e, mean, rstd, norm_weight, norm_bias, weight, y_scale, w_scale)
-        out = fp8_gemm(y8, w8, y_scale, w_scale, ctx.out_dtype, bias).reshape(*x.shape[:-1], n)
+        out = fp8_gemm(y8, w8, y_scale, w_scale, ctx.out_dtype, bias, fprop=True).reshape(*x.shape[:-1], n)
         if residual is not None:
             return out, h.reshape(x.shape)
         if residual_out:  # x itself, as the residual stream: its gradient joins the norm backward (no add)
@@ -232,14 +232,14 @@ class _Fp8NormMLP(torch.autograd.Function):
         y8, _ = act_norm.norm_cast(q, e, mean, rstd, norm_weight, norm_bias, y_scale, zero_centered=zero_centered)
         w1_8, w1_scale = _weight_rows(w1, cache1)
         out_dtype = _out_dtype(x)
-        a = fp8_gemm(y8, w1_8, y_scale, w1_scale, out_dtype, b1)
+        a = fp8_gemm(y8, w1_8, y_scale, w1_scale, out_dtype, b1, fprop=True)
         del y8
         qa, ea, pa, _ = act_swiglu.swiglu_forward(a)
         del a
         p_scale = aq.finalize_scale(pa, E4M3)
         p8, _ = act_swiglu.swiglu_cast(qa, ea, p_scale)
         w2_8, w2_scale = _weight_rows(w2, cache2)
-        out = fp8_gemm(p8, w2_8, p_scale, w2_scale, out_dtype, b2).reshape(*x.shape[:-1], n)
+        out = fp8_gemm(p8, w2_8, p_scale, w2_scale, out_dtype, b2, fprop=True).reshape(*x.shape[:-1], n)
         ctx.fwd_w1_scale, ctx.fwd_w2_scale = w1_scale, w2_scale  # identity checks against the caches
         ctx.cache1, ctx.cache2, ctx.out_dtype, ctx.zero_centered = cache1, cache2, out_dtype, zero_centered
         ctx.has_residual, ctx.shape = residual is not None, x.shape
@@ -330,7 +330,7 @@ class _Fp8SwigluLinear(torch.autograd.Function):
         ctx.out_dtype, ctx.cache, ctx.weight_index, ctx.shape, ctx.x_dtype = _out_dtype(x), cache, 1, x.shape, x.dtype
         ctx.has_bias, ctx.bias_dtype = bias is not None, (bias.dtype if bias is not None else None)
         ctx.save_for_backward(q, e, weight, p_scale, w_scale)
-        return fp8_gemm(p8, w8, p_scale, w_scale, ctx.out_dtype, bias).reshape(*x.shape[:-1], n)
+        return fp8_gemm(p8, w8, p_scale, w_scale, ctx.out_dtype, bias, fprop=True).reshape(*x.shape[:-1], n)
 
     @staticmethod
     def backward(ctx, dout):
