@@ -81,7 +81,7 @@ def quantize_groups3(x3, FP8_MAX: tl.constexpr, E5M2_OUT: tl.constexpr, DEQ_CODE
     (NaN) on the H100 with triton 3.6, also without any reshape; so by default the values come from the fp32 grid
     rounding (~12 instructions/element, the same values as the codes)."""
     scale = encode_group_scale(tl.reduce(tl.abs(x3), 2, nanmax, keep_dims=True), FP8_MAX)
-    y3 = x3 * tl.math.div_rn(1.0, scale)  # x * (1 / scale): one multiply per element, the reference's rounding
+    y3 = x3 / scale  # (an IEEE reciprocal per group, div_rn, cost 30 more registers and ~12% of the SwiGLU forward)
     q3 = fp8_cast(y3, E5M2_OUT)
     if DEQ_CODES:
         r3 = q3.to(tl.float32)
@@ -283,7 +283,7 @@ def group_quantize_ref(x, fmt="e4m3"):
     bad = ~torch.isfinite(x3).all(-1)
     amax = x3.abs().nan_to_num(0.0, 0.0, 0.0).amax(-1)
     e = encode_group_scale_ref(amax, bad, fmt.max)
-    q = fmt.quantize(x3 * torch.reciprocal(e.float())[..., None])
+    q = fmt.quantize(x3 / e.float()[..., None])
     return q.reshape(x.shape), e
 
 
