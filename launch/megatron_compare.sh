@@ -10,8 +10,9 @@
 # 1-GPU arms run NGPUS at a time (one per GPU); 2-GPU arms alone, skipped on one GPU. `transformer_engine`
 # arms (BF16 and FP8 tensorwise) are added when TE imports. Every arm uses the distributed optimizer; each log
 # ends with the optimizer-state bytes and the peak memory of every rank.
-# Model: GPT ~370M (24 layers, hidden 1024, 16 heads, SwiGLU FFN 2816, RMSNorm, RoPE, vocab 32000), seq 1024,
-# micro-batch 8 (8192 tokens/iteration), Megatron's attention core with selective recompute of core_attn.
+# MODEL=gpt370m (default): 24 layers, hidden 1024, 16 heads, SwiGLU FFN 2816; MODEL=gpt1b: 16 layers, hidden 2048,
+# 16 heads, FFN 5632 (~0.95B parameters). Both: RMSNorm, RoPE, vocab 32000, seq 1024, micro-batch 8 (8192
+# tokens/iteration), Megatron's attention core with selective recompute of core_attn.
 set -euo pipefail
 OUT=${1:?usage: megatron_compare.sh OUT_DIR [TRAIN_ITERS]}
 ITERS=${2:-200}
@@ -19,7 +20,12 @@ NGPUS=${NGPUS:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
 mkdir -p "$OUT"
 export CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONUNBUFFERED=1
 
-COMMON=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --ffn-hidden-size 2816
+case ${MODEL:-gpt370m} in
+  gpt370m) SIZE=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --ffn-hidden-size 2816) ;;
+  gpt1b) SIZE=(--num-layers 16 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 5632) ;;
+  *) echo "unknown MODEL ${MODEL}" >&2; exit 2 ;;
+esac
+COMMON=("${SIZE[@]}"
   --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 8
   --train-iters "$ITERS" --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 20
   --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02 --seed 1234
