@@ -8,9 +8,10 @@ the group's largest element is no longer exact); bf16 costs 2/16 byte per elemen
 
 Per-tensor: scale = amax / FP8_MAX in fp32 (1 when amax = 0, NaN when the tensor holds Inf/NaN, so the GEMM that
 consumes it returns NaN and the step's overflow check sees it). Group scaling: the kernel that produces a tensor
-writes one partial amax per program (stage 1), `finalize_scale` reduces them on the device (stage 2), and a cast
-kernel divides and casts, writing the row-major copy, the transposed copy (rows padded with zeros to a multiple
-of 16, the K dim of the weight-gradient GEMM), or both.
+writes one partial amax per program (stage 1) and, in the same launch, the last program to finish turns them into
+the scale (stage 2, `store_partial`; `finalize_scale` returns that scale, or reduces partials that have none); a
+cast kernel multiplies by 1/scale and casts, writing the row-major copy, the transposed copy (rows padded with
+zeros to a multiple of 16, the K dim of the weight-gradient GEMM), or both.
 
 Every op has a torch reference (CPU, and the test oracle) and a Triton kernel (CUDA; CPU tensors under
 TRITON_INTERPRET=1 when asked). `use_triton(t)` picks: CUDA tensors -> Triton, CPU -> torch, unless
