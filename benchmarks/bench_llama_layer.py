@@ -33,6 +33,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+try:  # before any CUDA work: TE must load its cuDNN before torch loads another one (a mixed pair fails to link)
+    import transformer_engine.pytorch  # noqa: F401
+except Exception:  # noqa: BLE001 - te_variants reports why
+    pass
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from coat_kernels import act_norm, act_pointwise, act_quant as aq, act_rope, act_swiglu, blocks  # noqa: E402
 from coat_kernels.formats import E4M3, E5M2  # noqa: E402
