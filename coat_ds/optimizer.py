@@ -115,7 +115,8 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         m_cfg, v_cfg = _moment_configs(group)
         plan = self._plans.get(id(group))
         if plan is None or plan.signature != signature or not all(
-                self.state[p] is st and "exp_avg_q" in st for p, st in zip(params, plan.states)):
+                self.state[p] is st and "exp_avg_q" in st and self._layouts.get(p) is layout
+                for p, st, layout in zip(params, plan.states, plan.layouts)):
             plan = self._plans[id(group)] = self._plan(group, params, signature, m_cfg, v_cfg)
         beta1, beta2 = group["betas"]
         scalars_by_step: dict[float, AdamWScalars] = {}
