@@ -8,19 +8,13 @@ from __future__ import annotations
 import faulthandler
 import importlib
 import os
-import socket
 import sys
 
 import torch
+from rank_jobs import free_port  # noqa: F401 - re-exported for the DeepSpeed tests
 
 HIDDEN = (24, 40, 40, 8)  # MLP widths: 2968 parameters in 6 tensors, several groups of 128, cut points inside
 BATCH = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_rank(rank: int, world: int, rendezvous_file: str, timeout_s: int = 300) -> None:

@@ -1,7 +1,7 @@
 """Two gloo processes that run every Megatron CPU check once and write the measurements to a JSON file.
 
 Run by tests/test_megatron.py (imports of megatron-core cost ~20 s per process, so all checks share one job):
-  python tests/megatron_cpu_jobs.py OUT_DIR [PORT]
+  python tests/megatron_cpu_jobs.py OUT_DIR PORT
 Phases (both ranks): TP=1 (as DP=2) COAT vs local BF16 and saved-tensor dtypes; TP=2 COAT vs local; TP=2 + SP
 vs TP=2; a TP=2 dist checkpoint loaded at TP=1 by the COAT and the local spec.
 
@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
-import traceback
 import warnings
 
 import torch
@@ -288,18 +286,7 @@ def saved_tensor_census_local():
     return saved
 
 
-def _entry(rank, world, out_dir, port):
-    try:
-        worker(rank, world, out_dir, port)
-    except Exception:
-        with open(os.path.join(out_dir, f"rank{rank}.error"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-
-
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
+    from rank_jobs import spawn_ranks
 
-    out_dir = sys.argv[1]
-    port = int(sys.argv[2]) if len(sys.argv) > 2 else 29561
-    mp.start_processes(_entry, args=(2, out_dir, port), nprocs=2, start_method="spawn")
+    spawn_ranks(worker)

@@ -1,6 +1,6 @@
 """Two gloo processes that check `--coat-optimizer` (coat_megatron.optimizer) under Megatron's real optimizers.
 
-Run by tests/test_megatron_optimizer.py:  python tests/megatron_optimizer_jobs.py OUT_DIR [PORT]
+Run by tests/test_megatron_optimizer.py:  python tests/megatron_optimizer_jobs.py OUT_DIR PORT
 Each rank writes OUT_DIR/rank{r}.json. A 2-layer GPT (local BF16 spec) is wrapped in Megatron's DDP, its
 optimizer built by `get_megatron_optimizer` and its inner Adam swapped by `use_coat_optimizer`. Phases:
 - distributed optimizer (DP=2): every inner step is replayed by a plain CoatFP8AdamW on copies of the same
@@ -22,7 +22,6 @@ import json
 import os
 import sys
 import time
-import traceback
 import warnings
 
 import torch
@@ -383,18 +382,7 @@ def worker(rank, world, out_dir, port):
     dist.destroy_process_group()
 
 
-def _entry(rank, world, out_dir, port):
-    try:
-        worker(rank, world, out_dir, port)
-    except Exception:
-        with open(os.path.join(out_dir, f"rank{rank}.error"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-
-
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
+    from rank_jobs import spawn_ranks
 
-    out_dir = sys.argv[1]
-    port = int(sys.argv[2]) if len(sys.argv) > 2 else 29571
-    mp.start_processes(_entry, args=(2, out_dir, port), nprocs=2, start_method="spawn")
+    spawn_ranks(worker)

@@ -4,13 +4,12 @@ FP8 saved-for-backward tensors, a TP=2 -> TP=1 distributed checkpoint, and the `
 All multi-process checks run once, in one spawned two-process job (tests/megatron_cpu_jobs.py).
 """
 import argparse
-import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+from rank_jobs import run_job
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("coat_kernels.blocks", reason="the shared FP8 blocks (issue 4) are not in this checkout yet")
@@ -21,21 +20,10 @@ LOSS_REL_TOL = 0.01
 GRAD_REL_TOL = 0.15
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    out = tmp_path_factory.mktemp("megatron_job")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "megatron_cpu_jobs.py"), str(out), str(_free_port())],
-                          capture_output=True, text=True, timeout=420)
-    errors = [p.read_text() for p in out.glob("rank*.error")]
-    assert proc.returncode == 0 and not errors, (errors[0] if errors else proc.stderr[-4000:])
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
-    return ranks
+    return run_job("megatron_cpu_jobs.py", tmp_path_factory.mktemp("megatron_job"), timeout=420)
 
 
 def test_spec_builds_te_shaped_modules(job):

@@ -5,14 +5,12 @@ are documented there): real `get_megatron_optimizer` + `use_coat_optimizer` on a
 DDP, DP=2. Also passes against megatron-core 0.19.2's core (PYTHONPATH=<unpacked 0.19.2 wheel>).
 """
 import argparse
-import json
 import os
-import socket
-import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
+from rank_jobs import run_job
 import torch
 
 pytest.importorskip("megatron.core")
@@ -22,20 +20,10 @@ MOMENT_ROUND_TRIP_TOL = 0.03  # relative L2: fp32 on disk, quantized again on lo
 UPDATE_TOL = 0.05  # relative L2 error of a parameter's 3-step update against torch AdamW
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    out = tmp_path_factory.mktemp("megatron_optimizer_job")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "megatron_optimizer_jobs.py"), str(out),
-                           str(_free_port())], capture_output=True, text=True, timeout=300)
-    errors = [p.read_text() for p in out.glob("rank*.error")]
-    assert proc.returncode == 0 and not errors, (errors[0] if errors else proc.stderr[-4000:])
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return run_job("megatron_optimizer_jobs.py", tmp_path_factory.mktemp("megatron_optimizer_job"), timeout=300)
 
 
 RUNS = ("mixed", "bf16", "bf16_e5m2", "float16")

@@ -1,0 +1,44 @@
+"""Two-rank CPU jobs for the Megatron tests: a job script spawns its ranks (`spawn_ranks`), each rank writes
+rank{r}.json (or rank{r}.error with its traceback); the test runs the script once per module (`run_job`)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(script: str, out: Path, timeout: int, world: int = 2) -> list[dict]:
+    """Run tests/<script> OUT PORT; every rank's JSON, or an assertion error with the first traceback."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, os.path.join(here, script), str(out), str(free_port())],
+                          capture_output=True, text=True, timeout=timeout)
+    errors = [p.read_text() for p in out.glob("rank*.error")]
+    assert proc.returncode == 0 and not errors, (errors[0] if errors else proc.stderr[-4000:])
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _entry(rank, worker, world, out_dir, port):
+    try:
+        worker(rank, world, out_dir, port)
+    except Exception:
+        with open(os.path.join(out_dir, f"rank{rank}.error"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def spawn_ranks(worker, world: int = 2) -> None:
+    """From a job script's __main__ (argv: OUT_DIR PORT): worker(rank, world, out_dir, port) in `world` processes."""
+    import torch.multiprocessing as mp
+
+    out_dir, port = sys.argv[1], int(sys.argv[2])
+    mp.start_processes(_entry, args=(worker, world, out_dir, port), nprocs=world, start_method="spawn")
