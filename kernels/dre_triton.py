@@ -4,7 +4,7 @@ Same math and operation order as `dre_reference.py` (IEEE div/sqrt, portable_mat
 contraction), so codes match the reference bit for bit on the GPU and under TRITON_INTERPRET.
 
 The fused AdamW step works on rows of GROUPS_PER_PROGRAM groups (`GroupLayout.rows`) of many tensors at once,
-through a pointer table, with no host synchronisation. Its body (`_adamw_row`) is shared by two entry points that
+through a pointer table, with no host synchronisation. Its body (`_adamw_tile`) is shared by two entry points that
 differ only in how a row's elements are spread over threads: on CUDA a Gluon kernel with an explicit layout
 (THREADS_PER_GROUP threads per group, 4 contiguous elements per load), so each thread computes its group's
 metadata once per 8 elements instead of once per 4 as Triton's own layout does; under TRITON_INTERPRET (which
