@@ -108,6 +108,18 @@ def _linear_backward(ctx, dy, weight, w_scale, in_scale, in_t_fn, need_dx):
     return dx, dw, db
 
 
+def _norm_to_fp8(x, residual, norm_weight, norm_bias, kind, eps, zero_centered):
+    """Forward norm (+ residual add) of x [..., H]: the BF16 sum h, its 1x16 FP8 copy (q, e), row statistics, and the
+    per-tensor E4M3 input of the next GEMM (scale, codes)."""
+    hdim = x.shape[-1]
+    r2 = residual.reshape(-1, hdim) if residual is not None else None
+    h, q, e, mean, rstd, partial = act_norm.norm_forward(x.reshape(-1, hdim), norm_weight, norm_bias, residual=r2,
+                                                         kind=kind, eps=eps, zero_centered=zero_centered)
+    y_scale = aq.finalize_scale(partial, E4M3)
+    y8, _ = act_norm.norm_cast(q, e, mean, rstd, norm_weight, norm_bias, y_scale, zero_centered=zero_centered)
+    return h, q, e, mean, rstd, y_scale, y8
+
+
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, cache, reuse_input):
@@ -152,12 +164,8 @@ class _Fp8NormLinear(torch.autograd.Function):
                 residual_out=False):
         hdim, n = x.shape[-1], weight.shape[0]
         check_gemm_dims(hdim, n, "fp8_norm_linear")
-        x2 = x.reshape(-1, hdim)
-        r2 = residual.reshape(-1, hdim) if residual is not None else None
-        h, q, e, mean, rstd, partial = act_norm.norm_forward(x2, norm_weight, norm_bias, residual=r2, kind=kind,
-                                                             eps=eps, zero_centered=zero_centered)
-        y_scale = aq.finalize_scale(partial, E4M3)
-        y8, _ = act_norm.norm_cast(q, e, mean, rstd, norm_weight, norm_bias, y_scale, zero_centered=zero_centered)
+        h, q, e, mean, rstd, y_scale, y8 = _norm_to_fp8(x, residual, norm_weight, norm_bias, kind, eps,
+                                                        zero_centered)
         w8, w_scale = _weight_rows(weight, cache)
         ctx.forward_w_scale = w_scale  # identity check against the cache in backward
         ctx.out_dtype, ctx.cache, ctx.weight_index, ctx.zero_centered = _out_dtype(x), cache, 4, zero_centered
@@ -224,12 +232,8 @@ class _Fp8NormMLP(torch.autograd.Function):
         hdim, f2, n = x.shape[-1], w1.shape[0], w2.shape[0]
         check_gemm_dims(hdim, f2, "fp8_norm_swiglu_mlp fc1")
         check_gemm_dims(f2 // 2, n, "fp8_norm_swiglu_mlp fc2")
-        x2 = x.reshape(-1, hdim)
-        r2 = residual.reshape(-1, hdim) if residual is not None else None
-        h, q, e, mean, rstd, partial = act_norm.norm_forward(x2, norm_weight, norm_bias, residual=r2, kind=kind,
-                                                             eps=eps, zero_centered=zero_centered)
-        y_scale = aq.finalize_scale(partial, E4M3)
-        y8, _ = act_norm.norm_cast(q, e, mean, rstd, norm_weight, norm_bias, y_scale, zero_centered=zero_centered)
+        h, q, e, mean, rstd, y_scale, y8 = _norm_to_fp8(x, residual, norm_weight, norm_bias, kind, eps,
+                                                        zero_centered)
         w1_8, w1_scale = _weight_rows(w1, cache1)
         out_dtype = _out_dtype(x)
         a = fp8_gemm(y8, w1_8, y_scale, w1_scale, out_dtype, b1, fprop=True)
