@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import os
 import time
-import warnings
 
 import torch
+from rank_jobs import init_gloo_rank
 import torch.distributed as dist
 import torch.nn.functional as F
 
@@ -243,12 +243,8 @@ def matches_shards(full, shards, rank):
 
 
 def worker(rank, world, out_dir, port):
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
     apply_cpu_shims()
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_gloo_rank(rank, world, port)
     t0 = time.time()
     res = {}
     coat_tp1, res["tp1"] = compare(1)

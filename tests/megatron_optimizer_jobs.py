@@ -22,9 +22,9 @@ import json
 import os
 import sys
 import time
-import warnings
 
 import torch
+from rank_jobs import init_gloo_rank
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -358,12 +358,8 @@ def float16_optimizer(out_dir):
 
 
 def worker(rank, world, out_dir, port):
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
     apply_cpu_shims()
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_gloo_rank(rank, world, port)
     import megatron_cpu_jobs
 
     # 3 layers and 129 tokens: the two DP shards split linear_fc1 of layer 1 at 12352, inside a 128-group.

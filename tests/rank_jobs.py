@@ -27,6 +27,20 @@ def run_job(script: str, out: Path, timeout: int, world: int = 2) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+def init_gloo_rank(rank: int, world: int, port: int) -> None:
+    """This process as rank `rank` of a gloo group on localhost (warnings off, one CPU thread)."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
 def _entry(rank, worker, world, out_dir, port):
     try:
         worker(rank, world, out_dir, port)
