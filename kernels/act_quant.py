@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .formats import E5M2, get_format
+from .launcher import cached_launch
 from .triton_fp8 import round_to_fp8_grid, to_e4m3, to_e5m2
 
 GROUP = 16
@@ -199,6 +200,7 @@ def store_cast3(y, rows, g0, scale, out_ptr, out_t_ptr, M, N, M_PAD, G: tl.const
 
 
 # ----------------------------------------------------------------------------------------------- Triton kernels
+@cached_launch
 @triton.jit
 def _group_quant_kernel(x_ptr, q_ptr, e_ptr, partial_ptr, M, K,
                         FP8_MAX: tl.constexpr, E5M2_OUT: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
@@ -215,6 +217,7 @@ def _group_quant_kernel(x_ptr, q_ptr, e_ptr, partial_ptr, M, K,
         tl.store(partial_ptr + pid, tile_amax(x, mask))
 
 
+@cached_launch
 @triton.jit
 def _group_dequant_kernel(q_ptr, e_ptr, y_ptr, M, K, BM: tl.constexpr, G: tl.constexpr):
     pid = tl.program_id(0)
@@ -225,6 +228,7 @@ def _group_dequant_kernel(q_ptr, e_ptr, y_ptr, M, K, BM: tl.constexpr, G: tl.con
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _amax_partial_kernel(x_ptr, partial_ptr, ticket_ptr, scale_ptr, N, NP, FP8_MAX: tl.constexpr,
                          FINAL: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
@@ -249,11 +253,13 @@ def _amax_partial_kernel(x_ptr, partial_ptr, ticket_ptr, scale_ptr, N, NP, FP8_M
                   FP8_MAX, FINAL)
 
 
+@cached_launch
 @triton.jit
 def _finalize_scale_kernel(partial_ptr, n, scale_ptr, FP8_MAX: tl.constexpr, NB: tl.constexpr):
     tl.store(scale_ptr, reduce_scale(partial_ptr, n, FP8_MAX, NB))
 
 
+@cached_launch
 @triton.jit
 def _cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, M, N, M_PAD,
                  WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr, E5M2_OUT: tl.constexpr,
@@ -375,13 +381,14 @@ def reduce_blocks(n):
 def final_scale_args(partial, fmt):
     """Kernel arguments for an in-launch stage 2 (store_partial with FINAL): (ticket, scale, FP8_MAX). The scale is
     attached to the partial tensor, so `finalize_scale(partial, fmt)` returns it without a launch. Tickets: a
-    per-device pool of zeroed [ticket, max] pairs, used in turn (each launch leaves its pair at 0 again)."""
+    per-device pool of zeroed [ticket, max] pairs, used in turn (each launch leaves its pair at 0 again); rows of 4
+    words keep every pair 16-byte aligned, so Triton compiles one variant, not one per alignment."""
     fmt = get_format(fmt)
     dev = partial.device
     pool = _TICKETS.get(dev)
     if pool is None:
-        pool = _TICKETS[dev] = [torch.zeros(64, 2, dtype=torch.int32, device=dev), 0]
-    ticket = pool[0][pool[1] % 64]
+        pool = _TICKETS[dev] = [torch.zeros(64, 4, dtype=torch.int32, device=dev), 0]
+    ticket = pool[0][pool[1] % 64, :2]
     pool[1] += 1
     scale = torch.empty((), dtype=torch.float32, device=dev)
     partial._coat_scale = (fmt.max, scale)

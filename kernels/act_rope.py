@@ -15,8 +15,10 @@ import triton.language as tl
 from . import act_quant as aq
 from .act_quant import nanmax, remember_partials, tensor_amax_partials_ref, tile_amax0, use_triton
 from .formats import E5M2
+from .launcher import cached_launch
 
 
+@cached_launch
 @triton.jit
 def _rope_kernel(s0, s1, s2, d0, d1, d2, cos_ptr, sin_ptr, partial_ptr, T, S, SRC_STRIDE, DST_STRIDE, NHEADS,
                  HALF_D: tl.constexpr, SIGN: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
@@ -69,7 +71,7 @@ def rope_ref(x, cos, sin, seq_len, head_dim, sign=1.0):
     return torch.cat([a * c - b * s, b * c + a * s], -1).reshape(t, h).to(x.dtype)
 
 
-BT, NH, WARPS = 2, 16, 8  # tokens and heads per program (per thread: 8 pairs of one head and token)
+BT, NH, WARPS = 1, 16, 4  # tokens and heads per program (per thread: 8 pairs of one head and token)
 
 
 def _grid(t, h, head_dim):

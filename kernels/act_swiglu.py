@@ -15,6 +15,7 @@ import triton.language as tl
 
 from . import act_quant as aq
 from .formats import E4M3, E5M2
+from .launcher import cached_launch
 
 
 @triton.jit
@@ -39,6 +40,7 @@ def _sigmoid(g):
     return 1.0 / (1.0 + tl.exp(-g))
 
 
+@cached_launch
 @triton.jit
 def _swiglu_fwd_kernel(x_ptr, q_ptr, e_ptr, out_ptr, partial_ptr, M, F, WRITE_OUT: tl.constexpr,
                        BM: tl.constexpr, G: tl.constexpr, DEQ_CODES: tl.constexpr, ticket_ptr, scale_ptr, NP,
@@ -59,6 +61,7 @@ def _swiglu_fwd_kernel(x_ptr, q_ptr, e_ptr, out_ptr, partial_ptr, M, F, WRITE_OU
         tl.store(out_ptr + _f_offsets(rows, g0, F, G), p.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _swiglu_cast_kernel(q_ptr, e_ptr, scale_ptr, out_ptr, out_t_ptr, M, F, M_PAD, WRITE_ROW: tl.constexpr,
                         WRITE_T: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, T_MODE: tl.constexpr):
@@ -71,6 +74,7 @@ def _swiglu_cast_kernel(q_ptr, e_ptr, scale_ptr, out_ptr, out_t_ptr, M, F, M_PAD
                    T_MODE)
 
 
+@cached_launch
 @triton.jit
 def _swiglu_bwd_kernel(q_ptr, e_ptr, dy_ptr, dx_ptr, partial_ptr, scale_ptr, out_ptr, out_t_ptr, M, F, M_PAD,
                        CAST: tl.constexpr, WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr,
@@ -129,8 +133,8 @@ def swiglu_grad_ref(q, e, dy):
 # ------------------------------------------------------------------------------------------------ public ops
 # (rows, groups, warps) per program, one 1x16 group of gate and of up per thread; transposed outputs take taller
 # tiles (each program then writes 32-byte runs of every transposed row)
-FWD_TILE, BWD_TILE, ROW_TILE, T_TILE, BWD_CAST_TILE = (8, 16, 4), (4, 32, 4), (4, 32, 4), (32, 8, 8), (32, 8, 8)
-T_MODE, BWD_CAST_T_MODE = 2, 2  # aq.store_cast3 (best of the H100 sweep)
+FWD_TILE, BWD_TILE, ROW_TILE, T_TILE, BWD_CAST_TILE = (8, 16, 4), (8, 32, 8), (4, 32, 4), (32, 8, 8), (32, 8, 8)
+T_MODE, BWD_CAST_T_MODE = 2, 2  # aq.store_cast3 (best of the H100 sweep; BWD_TILE: H200, 1.34x the (4, 32, 4) tiles)
 
 
 def _tiles(f, tile):
