@@ -201,22 +201,28 @@ def swiglu_cast(q, e, scale, *, write_row=True, write_t=False, triton_kernels=No
     return out, out_t
 
 
-def swiglu_backward(q, e, dy, *, triton_kernels=None):
-    """-> (dx bf16 [M, 2F], partial amax of dx)."""
-    if not (aq.use_triton(q) if triton_kernels is None else triton_kernels):
-        dx = swiglu_grad_ref(q, e, dy)
-        return dx, aq.tensor_amax_partials_ref(dx)
+def _backward_partials(q, e, dy, dx):
+    """Launch the backward kernel in its BF16 mode: d[gate | up] into dx (None: not written) and its partial
+    amaxes (with the E5M2 scale reduced in the same launch)."""
     m, f2 = q.shape
     f = f2 // 2
-    dx = torch.empty(m, f2, dtype=torch.bfloat16, device=q.device)
     bm, g, w = _tiles(f, BWD_TILE)
     grid = _grid(m, f, bm, g)
     partial = (torch.empty if m else torch.zeros)(max(grid[0], 1), dtype=torch.float32, device=q.device)
     if m:
         _swiglu_bwd_kernel[grid](q, e, dy.contiguous(), dx, partial, None, None, None, m, f, 0, CAST=False,
-                                 WRITE_ROW=True, WRITE_T=False, BM=bm, G=g, T_MODE=0, num_warps=w,
+                                 WRITE_ROW=dx is not None, WRITE_T=False, BM=bm, G=g, T_MODE=0, num_warps=w,
                                  **_scale_out(aq.partial_kwargs(partial, E5M2)))
-    return dx, partial
+    return partial
+
+
+def swiglu_backward(q, e, dy, *, triton_kernels=None):
+    """-> (dx bf16 [M, 2F], partial amax of dx)."""
+    if not (aq.use_triton(q) if triton_kernels is None else triton_kernels):
+        dx = swiglu_grad_ref(q, e, dy)
+        return dx, aq.tensor_amax_partials_ref(dx)
+    dx = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    return dx, _backward_partials(q, e, dy, dx)
 
 
 def swiglu_backward_amax(q, e, dy, *, triton_kernels=None):
@@ -224,16 +230,7 @@ def swiglu_backward_amax(q, e, dy, *, triton_kernels=None):
     `swiglu_backward_cast`, which then recomputes it straight into E5M2."""
     if not (aq.use_triton(q) if triton_kernels is None else triton_kernels):
         return aq.tensor_amax_partials_ref(swiglu_grad_ref(q, e, dy))
-    m, f2 = q.shape
-    f = f2 // 2
-    bm, g, w = _tiles(f, BWD_TILE)
-    grid = _grid(m, f, bm, g)
-    partial = (torch.empty if m else torch.zeros)(max(grid[0], 1), dtype=torch.float32, device=q.device)
-    if m:
-        _swiglu_bwd_kernel[grid](q, e, dy.contiguous(), None, partial, None, None, None, m, f, 0, CAST=False,
-                                 WRITE_ROW=False, WRITE_T=False, BM=bm, G=g, T_MODE=0, num_warps=w,
-                                 **_scale_out(aq.partial_kwargs(partial, E5M2)))
-    return partial
+    return _backward_partials(q, e, dy, None)
 
 
 def swiglu_backward_cast(q, e, dy, scale, *, write_row=True, write_t=True, triton_kernels=None):

@@ -120,6 +120,17 @@ def _norm_to_fp8(x, residual, norm_weight, norm_bias, kind, eps, zero_centered):
     return h, q, e, mean, rstd, y_scale, y8
 
 
+def _norm_input_grad(ctx, q, e, mean, rstd, norm_weight, norm_bias, dy_norm, dres):
+    """Norm backward from the saved FP8 copy (+ the residual stream's gradient dres): (dx shaped as the block's
+    input, d norm weight, d norm bias) in the parameters' dtypes; dx's partial amaxes go to the block consuming it."""
+    dx, dnw, dnb, partial = act_norm.norm_backward(q, e, mean, rstd, norm_weight, dy_norm, dres=dres,
+                                                   has_bias=norm_bias is not None, zero_centered=ctx.zero_centered,
+                                                   partial_amax=True)
+    dx = dx.reshape(ctx.shape)
+    aq.remember_partials(dx, partial)
+    return dx, dnw.to(norm_weight.dtype), (dnb.to(norm_bias.dtype) if dnb is not None else None)
+
+
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, cache, reuse_input):
@@ -193,13 +204,7 @@ class _Fp8NormLinear(torch.autograd.Function):
         dx = dnw = dnb = None
         if need_dx:
             dres = dh.reshape(q.shape) if ((ctx.has_residual or ctx.residual_out) and dh is not None) else None
-            dx, dnw, dnb, partial = act_norm.norm_backward(q, e, mean, rstd, norm_weight, dy_norm, dres=dres,
-                                                           has_bias=norm_bias is not None,
-                                                           zero_centered=ctx.zero_centered, partial_amax=True)
-            dx = dx.reshape(ctx.shape)
-            aq.remember_partials(dx, partial)
-            dnw = dnw.to(norm_weight.dtype)
-            dnb = dnb.to(norm_bias.dtype) if dnb is not None else None
+            dx, dnw, dnb = _norm_input_grad(ctx, q, e, mean, rstd, norm_weight, norm_bias, dy_norm, dres)
         return dx, (dx if ctx.has_residual else None), dnw, dnb, dw, db, None, None, None, None, None
 
 
@@ -300,13 +305,7 @@ class _Fp8NormMLP(torch.autograd.Function):
             dyn = fp8_gemm(da8, w1_8t, da_scale, w1_scale, ctx.out_dtype)
             del da8, w1_8t
             dres_in = dh.reshape(q.shape) if (ctx.has_residual and dh is not None) else None
-            dx, dnw, dnb, partial = act_norm.norm_backward(q, e, mean, rstd, norm_weight, dyn, dres=dres_in,
-                                                           has_bias=norm_bias is not None,
-                                                           zero_centered=ctx.zero_centered, partial_amax=True)
-            dx = dx.reshape(ctx.shape)
-            aq.remember_partials(dx, partial)
-            dnw = dnw.to(norm_weight.dtype)
-            dnb = dnb.to(norm_bias.dtype) if dnb is not None else None
+            dx, dnw, dnb = _norm_input_grad(ctx, q, e, mean, rstd, norm_weight, norm_bias, dyn, dres_in)
             dres = dx if ctx.has_residual else None
         return dx, dres, dnw, dnb, dw1, db1, dw2, db2, None, None, None, None, None
 
