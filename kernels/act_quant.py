@@ -246,7 +246,9 @@ def _amax_partial_kernel(x_ptr, partial_ptr, ticket_ptr, scale_ptr, N, NP, FP8_M
     acc = tl.zeros((BLOCK,), it)
     for i in tl.static_range(ITERS):  # unrolled: every load is issued before the first max
         offs = (pid.to(tl.int64) * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < N, other=0.0)
+        # evict_first: read once; streaming through L2 without displacing other lines cut the dirty-L2 write-backs
+        # it paid for (H100, do_bench: 62% -> 75% of copy bandwidth)
+        x = tl.load(x_ptr + offs, mask=offs < N, other=0.0, eviction_policy="evict_first")
         acc = tl.maximum(acc, (x.to(it, bitcast=True) & sign_off).to(it))
     m = tl.max(acc, 0).to(it).to(dt, bitcast=True).to(tl.float32)
     store_partial(partial_ptr, pid, tl.where(m == float("inf"), float("nan"), m), NP, ticket_ptr, scale_ptr,
