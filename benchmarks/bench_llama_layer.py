@@ -432,6 +432,16 @@ def make_timers(dev):
     return dirty, clean
 
 
+def _kernel_inputs(dev, m, h, f, seq, hd):
+    """Random BF16 inputs of the kernel benchmarks: x and a second [m, h] tensor (residual / gradient), [gate | up]
+    [m, 2f], its gradient [m, f], qkv [m, 3h], RoPE tables, a norm weight."""
+    x = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
+    cos, sin = act_rope.rope_tables(seq, hd, device=dev)
+    bf16 = dict(device=dev, dtype=torch.bfloat16)
+    return (x, torch.randn_like(x), torch.randn(m, 2 * f, **bf16), torch.randn(m, f, **bf16),
+            torch.randn(m, 3 * h, **bf16), cos, sin, 1 + 0.1 * torch.randn(h, **bf16))
+
+
 def bandwidth(dev, m=8192, h=4096, f=11008, seq=2048, hd=128, timers=None):
     dirty, clean = timers or make_timers(dev)
 
@@ -442,13 +452,7 @@ def bandwidth(dev, m=8192, h=4096, f=11008, seq=2048, hd=128, timers=None):
 
     big, big_c = copy_gbs(min(2**29, 8 * m * h))  # 512 MiB
     same, same_c = copy_gbs(m * h * 2)  # a [8192, 4096] BF16 tensor, like most kernels below
-    x = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
-    res = torch.randn_like(x)
-    gu = torch.randn(m, 2 * f, device=dev, dtype=torch.bfloat16)
-    dp = torch.randn(m, f, device=dev, dtype=torch.bfloat16)
-    qkv = torch.randn(m, 3 * h, device=dev, dtype=torch.bfloat16)
-    cos, sin = act_rope.rope_tables(seq, hd, device=dev)
-    w = torch.ones(h, device=dev, dtype=torch.bfloat16)
+    x, res, gu, dp, qkv, cos, sin, w = _kernel_inputs(dev, m, h, f, seq, hd)
     n, n2 = x.numel(), gu.numel()
     s = aq.tensor_scale(x)
     q8, e8 = aq.group_quantize(x)
@@ -524,13 +528,7 @@ def sweep(dev, apply=False, m=8192, h=4096, f=11008, seq=2048, hd=128):
     against the torch reference first (a wrong one is listed as such and never kept); apply=True keeps the best."""
     from triton.testing import do_bench
 
-    x = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
-    dy = torch.randn_like(x)
-    gu = torch.randn(m, 2 * f, device=dev, dtype=torch.bfloat16)
-    dp = torch.randn(m, f, device=dev, dtype=torch.bfloat16)
-    qkv = torch.randn(m, 3 * h, device=dev, dtype=torch.bfloat16)
-    cos, sin = act_rope.rope_tables(seq, hd, device=dev)
-    w = 1 + 0.1 * torch.randn(h, device=dev, dtype=torch.bfloat16)
+    x, dy, gu, dp, qkv, cos, sin, w = _kernel_inputs(dev, m, h, f, seq, hd)
     s = aq.tensor_scale(x)
     _, q, e, mean, rstd, _ = act_norm.norm_forward(x, w, None)
     gq, ge, gpart, _ = act_swiglu.swiglu_forward(gu)

@@ -154,6 +154,17 @@ def _scale_out(kw):  # the backward kernel's scale_ptr is the cast's input scale
     return kw
 
 
+def _cast_outputs(q, width, fmt, write_row, write_t, t_tile):
+    """Outputs and launch shape of a per-tensor cast of a [M, width] result recomputed from q [M, 2F]:
+    (m, f, m padded to 16, out [M, width] | None, out_t [width, M16] | None, (BM, G, warps), grid)."""
+    m, f = q.shape[0], q.shape[1] // 2
+    mp = aq.pad16(m)
+    out = torch.empty(m, width, dtype=fmt.dtype, device=q.device) if write_row else None
+    out_t = torch.empty(width, mp, dtype=fmt.dtype, device=q.device) if write_t else None
+    tiles = _tiles(f, t_tile if write_t else ROW_TILE)
+    return m, f, mp, out, out_t, tiles, _grid(mp if write_t else m, f, tiles[0], tiles[1])
+
+
 def _check(x):
     if x.shape[-1] % 32:
         raise ValueError(f"SwiGLU input [..., 2F] needs F to be a multiple of 16, got 2F={x.shape[-1]}")
@@ -188,13 +199,7 @@ def swiglu_cast(q, e, scale, *, write_row=True, write_t=False, triton_kernels=No
     if write_row and write_t:  # one launch writing both gave wrong codes on the H100 (triton 3.6): two launches
         return (swiglu_cast(q, e, scale, triton_kernels=True)[0],
                 swiglu_cast(q, e, scale, write_row=False, write_t=True, triton_kernels=True)[1])
-    m, f2 = q.shape
-    f = f2 // 2
-    mp = aq.pad16(m)
-    out = torch.empty(m, f, dtype=E4M3.dtype, device=q.device) if write_row else None
-    out_t = torch.empty(f, mp, dtype=E4M3.dtype, device=q.device) if write_t else None
-    bm, g, w = _tiles(f, T_TILE if write_t else ROW_TILE)
-    grid = _grid(mp if write_t else m, f, bm, g)
+    m, f, mp, out, out_t, (bm, g, w), grid = _cast_outputs(q, q.shape[1] // 2, E4M3, write_row, write_t, T_TILE)
     if grid[0]:
         _swiglu_cast_kernel[grid](q, e, scale, out, out_t, m, f, mp, WRITE_ROW=write_row, WRITE_T=write_t,
                                   BM=bm, G=g, T_MODE=T_MODE, num_warps=w)
@@ -237,13 +242,7 @@ def swiglu_backward_cast(q, e, dy, scale, *, write_row=True, write_t=True, trito
     """d[gate | up] recomputed and cast straight to per-tensor E5M2: (dx8 [M, 2F] | None, dx8_t [2F, M16] | None)."""
     if not (aq.use_triton(q) if triton_kernels is None else triton_kernels):
         return aq.cast_ref(swiglu_grad_ref(q, e, dy), scale, E5M2, write_row, write_t)
-    m, f2 = q.shape
-    f = f2 // 2
-    mp = aq.pad16(m)
-    out = torch.empty(m, f2, dtype=E5M2.dtype, device=q.device) if write_row else None
-    out_t = torch.empty(f2, mp, dtype=E5M2.dtype, device=q.device) if write_t else None
-    bm, g, w = _tiles(f, BWD_CAST_TILE if write_t else ROW_TILE)
-    grid = _grid(mp if write_t else m, f, bm, g)
+    m, f, mp, out, out_t, (bm, g, w), grid = _cast_outputs(q, q.shape[1], E5M2, write_row, write_t, BWD_CAST_TILE)
     if grid[0]:
         _swiglu_bwd_kernel[grid](q, e, dy.contiguous(), None, None, scale, out, out_t, m, f, mp, CAST=True,
                                  WRITE_ROW=write_row, WRITE_T=write_t, BM=bm, G=g, T_MODE=BWD_CAST_T_MODE,
