@@ -79,7 +79,11 @@ def _swiglu_cast_kernel(q_ptr, e_ptr, scale_ptr, out_ptr, out_t_ptr, M, F, M_PAD
 def _swiglu_bwd_kernel(q_ptr, e_ptr, dy_ptr, dx_ptr, partial_ptr, scale_ptr, out_ptr, out_t_ptr, M, F, M_PAD,
                        CAST: tl.constexpr, WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr,
                        BM: tl.constexpr, G: tl.constexpr, T_MODE: tl.constexpr, ticket_ptr=None, scale_out_ptr=None,
-                       NP=1, FP8_MAX: tl.constexpr = 1.0, FINAL: tl.constexpr = False):
+                       NP=1, FP8_MAX: tl.constexpr = 1.0, FINAL: tl.constexpr = False, p_scale_ptr=None,
+                       p_t_ptr=None, PRODUCT_T: tl.constexpr = False):
+    """CAST: d[gate | up] cast to E5M2 with scale_ptr's scale; else BF16 d[gate | up] (WRITE_ROW) and its partial
+    amaxes, and with PRODUCT_T the product's transposed E4M3 copy (p_scale_ptr's scale: fc2's wgrad operand) from the
+    same loads."""
     pid = tl.program_id(0)
     rows, g0, offs, eoffs, mask = _pair_tile(pid, M, F, BM, G)
     gd = aq.load_groups(q_ptr, e_ptr, offs, eoffs, mask)
@@ -104,6 +108,9 @@ def _swiglu_bwd_kernel(q_ptr, e_ptr, dy_ptr, dx_ptr, partial_ptr, scale_ptr, out
         # amax of the BF16 values = the BF16 rounding of the fp32 amax (rounding is monotonic): no round trip
         amax = aq.nanmax(aq.tile_amax0(dg32), aq.tile_amax0(du32)).to(tl.bfloat16).to(tl.float32)
         aq.store_partial(partial_ptr, pid, amax, NP, ticket_ptr, scale_out_ptr, FP8_MAX, FINAL)
+        if PRODUCT_T:
+            aq.store_cast3(silu * ud, rows, g0, tl.load(p_scale_ptr), None, p_t_ptr, M, F, M_PAD, G, False, True,
+                           False, T_MODE)
 
 
 # ------------------------------------------------------------------------------------------- torch references
@@ -134,6 +141,7 @@ def swiglu_grad_ref(q, e, dy):
 # (rows, groups, warps) per program, one 1x16 group of gate and of up per thread; transposed outputs take taller
 # tiles (each program then writes 32-byte runs of every transposed row)
 FWD_TILE, BWD_TILE, ROW_TILE, T_TILE, BWD_CAST_TILE = (8, 16, 4), (8, 32, 8), (4, 32, 4), (32, 8, 8), (32, 8, 8)
+BWD_AMAX_T_TILE = (32, 8, 8)  # the amax pass that also writes the product's transposed copy
 T_MODE, BWD_CAST_T_MODE = 2, 2  # aq.store_cast3 (best of the H100 sweep; BWD_TILE: H200, 1.34x the (4, 32, 4) tiles)
 
 
@@ -206,19 +214,26 @@ def swiglu_cast(q, e, scale, *, write_row=True, write_t=False, triton_kernels=No
     return out, out_t
 
 
-def _backward_partials(q, e, dy, dx):
+def _backward_partials(q, e, dy, dx, product_scale=None):
     """Launch the backward kernel in its BF16 mode: d[gate | up] into dx (None: not written) and its partial
-    amaxes (with the E5M2 scale reduced in the same launch)."""
+    amaxes (with the E5M2 scale reduced in the same launch); with product_scale, also the product's transposed E4M3
+    copy. -> (partial, p8_t | None)."""
     m, f2 = q.shape
     f = f2 // 2
-    bm, g, w = _tiles(f, BWD_TILE)
-    grid = _grid(m, f, bm, g)
+    mp = aq.pad16(m)
+    with_t = product_scale is not None
+    bm, g, w = _tiles(f, BWD_AMAX_T_TILE if with_t else BWD_TILE)
+    grid = _grid(mp if with_t else m, f, bm, g)
     partial = (torch.empty if m else torch.zeros)(max(grid[0], 1), dtype=torch.float32, device=q.device)
+    p_t = torch.empty(f, mp, dtype=E4M3.dtype, device=q.device) if with_t else None
     if m:
-        _swiglu_bwd_kernel[grid](q, e, dy.contiguous(), dx, partial, None, None, None, m, f, 0, CAST=False,
-                                 WRITE_ROW=dx is not None, WRITE_T=False, BM=bm, G=g, T_MODE=0, num_warps=w,
+        _swiglu_bwd_kernel[grid](q, e, dy.contiguous(), dx, partial, None, None, None, m, f, mp, CAST=False,
+                                 WRITE_ROW=dx is not None, WRITE_T=False, BM=bm, G=g, T_MODE=T_MODE, num_warps=w,
+                                 p_scale_ptr=product_scale, p_t_ptr=p_t, PRODUCT_T=with_t,
                                  **_scale_out(aq.partial_kwargs(partial, E5M2)))
-    return partial
+    elif with_t:
+        p_t.zero_()
+    return partial, p_t
 
 
 def swiglu_backward(q, e, dy, *, triton_kernels=None):
@@ -227,15 +242,21 @@ def swiglu_backward(q, e, dy, *, triton_kernels=None):
         dx = swiglu_grad_ref(q, e, dy)
         return dx, aq.tensor_amax_partials_ref(dx)
     dx = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-    return dx, _backward_partials(q, e, dy, dx)
+    return dx, _backward_partials(q, e, dy, dx)[0]
 
 
-def swiglu_backward_amax(q, e, dy, *, triton_kernels=None):
+def swiglu_backward_amax(q, e, dy, *, product_scale=None, triton_kernels=None):
     """Stage-1 partial amaxes of d[gate | up] (as BF16 values) without writing it: the first pass of
-    `swiglu_backward_cast`, which then recomputes it straight into E5M2."""
+    `swiglu_backward_cast`, which then recomputes it straight into E5M2. With product_scale (the forward's scale
+    of silu(gate) * up), the same loads also give the product's transposed E4M3 copy (swiglu_cast's write_t output):
+    returns (partial, p8_t [F, M16])."""
     if not (aq.use_triton(q) if triton_kernels is None else triton_kernels):
-        return aq.tensor_amax_partials_ref(swiglu_grad_ref(q, e, dy))
-    return _backward_partials(q, e, dy, None)
+        partial = aq.tensor_amax_partials_ref(swiglu_grad_ref(q, e, dy))
+        if product_scale is None:
+            return partial
+        return partial, swiglu_cast(q, e, product_scale, write_row=False, write_t=True, triton_kernels=False)[1]
+    partial, p_t = _backward_partials(q, e, dy, None, product_scale)
+    return partial if product_scale is None else (partial, p_t)
 
 
 def swiglu_backward_cast(q, e, dy, scale, *, write_row=True, write_t=True, triton_kernels=None):

@@ -271,20 +271,27 @@ class _Fp8NormMLP(torch.autograd.Function):
         dy2 = dout.reshape(-1, w2.shape[0])
         dy8, dy8_t, dy_scale = aq.quantize_tensor(dy2, E5M2, write_row=need_da, write_t=need[6],
                                                   partial=aq.take_partials(dout))
-        dw2 = db2 = dp = None
-        if need[6]:
-            p8_t = act_swiglu.swiglu_cast(qa, ea, p_scale, write_row=False, write_t=True)[1]
-            dw2 = fp8_gemm(dy8_t, p8_t, dy_scale, p_scale, w2.dtype)
-            del p8_t
+        dw2 = db2 = dp = p8_t = None
         if need[7] and ctx.b2_dtype is not None:
             db2 = dy2.float().sum(0).to(ctx.b2_dtype)
         dx = dres = dnw = dnb = dw1 = db1 = None
+        if need_da:  # fc2's dgrad first: the SwiGLU backward's amax pass then also writes fc2's wgrad operand p8_t
+            w2_8t = _weight_transposed(w2, w2_scale, ctx.cache2, ctx.fwd_w2_scale)
+            dp = fp8_gemm(dy8, w2_8t, dy_scale, w2_scale, ctx.out_dtype)
+            del dy8, w2_8t
+            # SwiGLU: d[gate | up] straight to E5M2 (a BF16 copy only if fc1 has a bias to reduce)
+            if ctx.b1_dtype is None and need[6]:
+                partial, p8_t = act_swiglu.swiglu_backward_amax(qa, ea, dp, product_scale=p_scale)
+            elif ctx.b1_dtype is None:
+                partial = act_swiglu.swiglu_backward_amax(qa, ea, dp)
+        if need[6]:
+            if p8_t is None:
+                p8_t = act_swiglu.swiglu_cast(qa, ea, p_scale, write_row=False, write_t=True)[1]
+            dw2 = fp8_gemm(dy8_t, p8_t, dy_scale, p_scale, w2.dtype)
+            del p8_t
+        del dy8_t
         if not need_da:
             return dx, dres, dnw, dnb, dw1, db1, dw2, db2, None, None, None, None, None
-        w2_8t = _weight_transposed(w2, w2_scale, ctx.cache2, ctx.fwd_w2_scale)
-        dp = fp8_gemm(dy8, w2_8t, dy_scale, w2_scale, ctx.out_dtype)
-        del dy8, dy8_t, w2_8t
-        # SwiGLU: d[gate | up] straight to E5M2 (a BF16 copy only if fc1 has a bias to reduce)
         if ctx.b1_dtype is not None:
             da, partial = act_swiglu.swiglu_backward(qa, ea, dp)
             if need[5]:
@@ -292,7 +299,7 @@ class _Fp8NormMLP(torch.autograd.Function):
             da8, da8_t, da_scale = aq.quantize_tensor(da, E5M2, write_row=need_dx, write_t=need[4], partial=partial)
             del da
         else:
-            da_scale = aq.finalize_scale(act_swiglu.swiglu_backward_amax(qa, ea, dp), E5M2)
+            da_scale = aq.finalize_scale(partial, E5M2)
             da8, da8_t = act_swiglu.swiglu_backward_cast(qa, ea, dp, da_scale, write_row=need_dx, write_t=need[4])
         del dp
         if need[4]:

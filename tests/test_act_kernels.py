@@ -135,6 +135,7 @@ def test_norm_kernels_match_reference(kind, bias, zc, residual):
     ca = act_norm.norm_cast(*args, w, b, s, zero_centered=zc, write_t=True, triton_kernels=True)
     cb = act_norm.norm_cast(*args, w, b, s, zero_centered=zc, write_t=True, triton_kernels=False)
     assert close_fp8(ca[0], cb[0]) and close_fp8(ca[1], cb[1])
+    assert same(ca[0].t(), ca[1][:, :m])  # the forward's and the weight-gradient GEMM's operands agree
     dy = torch.randn(m, h).bfloat16()
     dres = torch.randn(m, h).bfloat16()
     ga = act_norm.norm_backward(*args, w, dy, dres=dres, has_bias=bias, zero_centered=zc, partial_amax=True,
@@ -187,6 +188,12 @@ def test_swiglu_kernels_match_reference():
     cc = aq.cast(ga, ds, E5M2, write_t=True, triton_kernels=False)
     assert same(ca[0], cc[0]) and same(ca[1], cc[1])
     assert same(act_swiglu.swiglu_backward_amax(ref[0], ref[1], dy, triton_kernels=True).max(), pa.max())
+    # the amax pass that also writes the product's transposed copy (fc2's wgrad operand)
+    ptri = act_swiglu.swiglu_cast(ref[0], ref[1], s, write_row=False, write_t=True, triton_kernels=True)[1]
+    for tri in (True, False):
+        pa2, pt = act_swiglu.swiglu_backward_amax(ref[0], ref[1], dy, product_scale=s, triton_kernels=tri)
+        assert torch.allclose(pa2.max(), pb.max(), rtol=1e-2) and pt.shape == ptri.shape
+        assert same(pt, ptri) if tri else close_fp8(pt, ptri)
 
 
 @pytest.mark.parametrize("name,fn", [("silu", torch.nn.functional.silu), ("gelu", torch.nn.functional.gelu)])

@@ -216,6 +216,21 @@ def test_fp8_norm_swiglu_mlp_equals_the_unfused_blocks(backend, residual):
     assert saved_bytes(fused, *params, params=params[1:]) == saved_bytes(unfused, *params, params=params[1:])
 
 
+@pytest.mark.parametrize("trainable", ["x", "w1", "w2"])
+def test_fp8_norm_swiglu_mlp_with_one_trainable_input(backend, trainable):
+    """Only the input, fc1's or fc2's weight needing a gradient (backward skips the others' GEMMs and the SwiGLU
+    backward when nothing below fc2 needs it): the same gradient as with everything trainable, no others."""
+    names = ("x", "nw", "w1", "w2")
+    ins32, dy, _ = _mlp_inputs(13, False)
+    full = leaves(*(t.bfloat16() for t in ins32))
+    part = [t.bfloat16().requires_grad_(n == trainable) for n, t in zip(names, ins32)]
+    for x, nw, w1, w2 in (full, part):
+        blocks.fp8_norm_swiglu_mlp(x, nw, None, w1, w2).backward(dy.bfloat16())
+    i = names.index(trainable)
+    assert torch.equal(part[i].grad, full[i].grad)
+    assert all(t.grad is None for j, t in enumerate(part) if j != i)
+
+
 @pytest.mark.parametrize("name,fn,ref", [("gelu", blocks.fp8_gelu, F.gelu), ("silu", blocks.fp8_silu, F.silu)])
 def test_pointwise_blocks(backend, name, fn, ref):
     torch.manual_seed(5)
