@@ -228,7 +228,8 @@ def fp8_add_norm_linear(x, residual, norm_weight, norm_bias, weight, bias=None, 
 
 class _Fp8NormMLP(torch.autograd.Function):
     """norm -> fc1 -> SwiGLU -> fc2 in one node, so that backward can take d[gate | up] straight to E5M2: a pass
-    that only computes its partial amaxes, then `swiglu_backward_cast` recomputing it into the row-major and
+    that computes its partial amaxes (and, from the same loads, the product's transposed E4M3 copy for fc2's
+    weight gradient), then `swiglu_backward_cast` recomputing it into the row-major and
     transposed E5M2 operands of fc1's dgrad and wgrad (the BF16 gradient is never written; 2 bytes/element less
     written and read than the unfused blocks). Saves exactly what fp8_(add_)norm_linear + fp8_swiglu_linear save."""
 
