@@ -27,6 +27,10 @@ def add_coat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--coat-attention", choices=ATTENTION_BACKENDS, default="auto",
                        help="attention core of the COAT spec (BF16): auto = TE if importable, else Megatron's "
                             "DotProductAttention on CUDA, else torch SDPA")
+    group.add_argument("--coat-fprop-fast-accum", action="store_true",
+                       help="forward FP8 GEMMs with Hopper's fast accumulation (no periodic fp32 promotion), as "
+                            "TransformerEngine's fprop does; gradient GEMMs keep fp32 promotion. Off: COAT's fp32 "
+                            "accumulation")
     opt = parser.add_argument_group("COAT FP8 optimizer (--coat-optimizer; any --transformer-impl)")
     opt.add_argument("--coat-optimizer", action="store_true",
                      help="replace Megatron's Adam (inside the distributed or mixed-precision optimizer) by "

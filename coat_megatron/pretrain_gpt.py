@@ -93,11 +93,14 @@ def forward_step(data_iterator, model):
 def coat_block_spec(config, vp_stage=None):
     from megatron.training import get_args
 
+    from coat_kernels import act_gemm
+
     from .layers import set_weight_generation
     from .spec import get_gpt_decoder_block_coat_spec
 
     # FP8 weights are re-quantized once per training iteration (and again for evaluation after it).
     set_weight_generation(lambda: (get_args().curr_iteration, torch.is_grad_enabled()))
+    act_gemm.FPROP_FAST_ACCUM = bool(getattr(get_args(), "coat_fprop_fast_accum", False))
     return get_gpt_decoder_block_coat_spec(config, vp_stage=vp_stage, attention=get_args().coat_attention)
 
 

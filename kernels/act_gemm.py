@@ -9,6 +9,8 @@ torch 2.13 also runs `_scaled_mm` on CPU (dequantize + fp32 matmul), so CPU and 
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 
@@ -20,8 +22,20 @@ def check_gemm_dims(k: int, n: int, what: str):
 
 # Forward GEMMs with Hopper's fast FP8 accumulation (partial sums kept in the tensor core's reduced precision, no
 # periodic promotion to fp32), as TransformerEngine's fprop and torchao's tensorwise recipe do. Off by default:
-# COAT specifies fp32 accumulation; gradients always accumulate precisely.
+# COAT specifies fp32 accumulation; gradients always accumulate precisely. Set it for a whole run (Megatron:
+# --coat-fprop-fast-accum) or for a region with `fprop_fast_accumulation()`.
 FPROP_FAST_ACCUM = False
+
+
+@contextmanager
+def fprop_fast_accumulation(enabled: bool = True):
+    """Forward GEMMs issued inside use fast accumulation (enabled=True) or fp32 promotion (False)."""
+    global FPROP_FAST_ACCUM
+    before, FPROP_FAST_ACCUM = FPROP_FAST_ACCUM, bool(enabled)
+    try:
+        yield
+    finally:
+        FPROP_FAST_ACCUM = before
 
 
 def fp8_gemm(a: torch.Tensor, b_rows: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,

@@ -17,7 +17,6 @@ import triton.language as tl
 
 from . import act_quant as aq
 from .formats import E4M3, E5M2
-from .launcher import cached_launch
 
 
 @triton.jit
@@ -50,7 +49,6 @@ def _row_stat(ptr, rows, M):
     return tl.load(ptr + rows, mask=rows < M, other=0.0)[None, :, None]
 
 
-@cached_launch
 @triton.jit
 def _norm_fwd_kernel(x_ptr, res_ptr, h_ptr, q_ptr, e_ptr, mean_ptr, rstd_ptr, partial_ptr, w_ptr, b_ptr,
                      M, H, eps, IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -83,7 +81,6 @@ def _norm_fwd_kernel(x_ptr, res_ptr, h_ptr, q_ptr, e_ptr, mean_ptr, rstd_ptr, pa
     aq.store_partial(partial_ptr, pid, aq.tile_amax(y, mask), NP, ticket_ptr, scale_ptr, FP8_MAX, FINAL)
 
 
-@cached_launch
 @triton.jit
 def _norm_cast_kernel(q_ptr, e_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, scale_ptr, out_ptr, out_t_ptr, M, H, M_PAD,
                       IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
@@ -106,7 +103,6 @@ def _norm_cast_kernel(q_ptr, e_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, scale_ptr,
                    T_MODE)
 
 
-@cached_launch
 @triton.jit
 def _norm_bwd_kernel(q_ptr, e_ptr, mean_ptr, rstd_ptr, w_ptr, dy_ptr, dres_ptr, dx_ptr, dw_ptr, db_ptr, partial_ptr,
                      M, H, IS_RMS: tl.constexpr, HAS_DRES: tl.constexpr, HAS_BIAS: tl.constexpr,

@@ -10,7 +10,6 @@ import triton.language as tl
 
 from . import act_quant as aq
 from .formats import E4M3
-from .launcher import cached_launch
 
 ACTIVATIONS = {"silu": 0, "gelu": 1}
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
@@ -41,7 +40,6 @@ def _act_tile(pid, M, K, BM: tl.constexpr, G: tl.constexpr):
     return aq.group_tile(rows, (pid % n_g) * G, M, K, K // 16, G)
 
 
-@cached_launch
 @triton.jit
 def _act_fwd_kernel(x_ptr, q_ptr, e_ptr, y_ptr, M, K, ACT: tl.constexpr, BM: tl.constexpr, G: tl.constexpr,
                     DEQ_CODES: tl.constexpr):
@@ -53,7 +51,6 @@ def _act_fwd_kernel(x_ptr, q_ptr, e_ptr, y_ptr, M, K, ACT: tl.constexpr, BM: tl.
     tl.store(y_ptr + offs, _act(xd, ACT).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@cached_launch
 @triton.jit
 def _act_bwd_kernel(q_ptr, e_ptr, dy_ptr, dx_ptr, M, K, ACT: tl.constexpr, BM: tl.constexpr, G: tl.constexpr):
     offs, eoffs, mask = _act_tile(tl.program_id(0), M, K, BM, G)

@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 
 from .formats import E5M2, get_format
-from .launcher import cached_launch
 from .triton_fp8 import round_to_fp8_grid, to_e4m3, to_e5m2
 
 GROUP = 16
@@ -200,7 +199,6 @@ def store_cast3(y, rows, g0, scale, out_ptr, out_t_ptr, M, N, M_PAD, G: tl.const
 
 
 # ----------------------------------------------------------------------------------------------- Triton kernels
-@cached_launch
 @triton.jit
 def _group_quant_kernel(x_ptr, q_ptr, e_ptr, partial_ptr, M, K,
                         FP8_MAX: tl.constexpr, E5M2_OUT: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
@@ -217,7 +215,6 @@ def _group_quant_kernel(x_ptr, q_ptr, e_ptr, partial_ptr, M, K,
         tl.store(partial_ptr + pid, tile_amax(x, mask))
 
 
-@cached_launch
 @triton.jit
 def _group_dequant_kernel(q_ptr, e_ptr, y_ptr, M, K, BM: tl.constexpr, G: tl.constexpr):
     pid = tl.program_id(0)
@@ -228,7 +225,6 @@ def _group_dequant_kernel(q_ptr, e_ptr, y_ptr, M, K, BM: tl.constexpr, G: tl.con
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@cached_launch
 @triton.jit
 def _amax_partial_kernel(x_ptr, partial_ptr, ticket_ptr, scale_ptr, N, NP, FP8_MAX: tl.constexpr,
                          FINAL: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
@@ -255,13 +251,11 @@ def _amax_partial_kernel(x_ptr, partial_ptr, ticket_ptr, scale_ptr, N, NP, FP8_M
                   FP8_MAX, FINAL)
 
 
-@cached_launch
 @triton.jit
 def _finalize_scale_kernel(partial_ptr, n, scale_ptr, FP8_MAX: tl.constexpr, NB: tl.constexpr):
     tl.store(scale_ptr, reduce_scale(partial_ptr, n, FP8_MAX, NB))
 
 
-@cached_launch
 @triton.jit
 def _cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, M, N, M_PAD,
                  WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr, E5M2_OUT: tl.constexpr,
@@ -372,7 +366,7 @@ def group_dequantize(q, e, dtype=torch.bfloat16, *, triton_kernels=None):
     return y.reshape(q.shape)
 
 
-_TICKETS: dict = {}
+_TICKETS: dict = {}  # device -> (zeroed int32 [64, 4] pool, its 64 [ticket, max] views, launches so far)
 
 
 def reduce_blocks(n):
@@ -388,10 +382,11 @@ def final_scale_args(partial, fmt):
     fmt = get_format(fmt)
     dev = partial.device
     pool = _TICKETS.get(dev)
-    if pool is None:
-        pool = _TICKETS[dev] = [torch.zeros(64, 4, dtype=torch.int32, device=dev), 0]
-    ticket = pool[0][pool[1] % 64, :2]
-    pool[1] += 1
+    if pool is None:  # the views are made once: slicing a tensor costs ~7 us of host time per launch
+        words = torch.zeros(64, 4, dtype=torch.int32, device=dev)
+        pool = _TICKETS[dev] = [words, [words[i, :2] for i in range(64)], 0]
+    ticket = pool[1][pool[2] % 64]
+    pool[2] += 1
     scale = torch.empty((), dtype=torch.float32, device=dev)
     partial._coat_scale = (fmt.max, scale)
     return ticket, scale, fmt.max

@@ -15,10 +15,8 @@ import triton.language as tl
 from . import act_quant as aq
 from .act_quant import nanmax, remember_partials, tensor_amax_partials_ref, tile_amax0, use_triton
 from .formats import E5M2
-from .launcher import cached_launch
 
 
-@cached_launch
 @triton.jit
 def _rope_kernel(s0, s1, s2, d0, d1, d2, cos_ptr, sin_ptr, partial_ptr, T, S, SRC_STRIDE, DST_STRIDE, NHEADS,
                  HALF_D: tl.constexpr, SIGN: tl.constexpr, WRITE_PARTIAL: tl.constexpr,

@@ -15,7 +15,6 @@ import triton.language as tl
 
 from . import act_quant as aq
 from .formats import E4M3, E5M2
-from .launcher import cached_launch
 
 
 @triton.jit
@@ -40,7 +39,6 @@ def _sigmoid(g):
     return 1.0 / (1.0 + tl.exp(-g))
 
 
-@cached_launch
 @triton.jit
 def _swiglu_fwd_kernel(x_ptr, q_ptr, e_ptr, out_ptr, partial_ptr, M, F, WRITE_OUT: tl.constexpr,
                        BM: tl.constexpr, G: tl.constexpr, DEQ_CODES: tl.constexpr, ticket_ptr, scale_ptr, NP,
@@ -61,7 +59,6 @@ def _swiglu_fwd_kernel(x_ptr, q_ptr, e_ptr, out_ptr, partial_ptr, M, F, WRITE_OU
         tl.store(out_ptr + _f_offsets(rows, g0, F, G), p.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@cached_launch
 @triton.jit
 def _swiglu_cast_kernel(q_ptr, e_ptr, scale_ptr, out_ptr, out_t_ptr, M, F, M_PAD, WRITE_ROW: tl.constexpr,
                         WRITE_T: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, T_MODE: tl.constexpr):
@@ -74,7 +71,6 @@ def _swiglu_cast_kernel(q_ptr, e_ptr, scale_ptr, out_ptr, out_t_ptr, M, F, M_PAD
                    T_MODE)
 
 
-@cached_launch
 @triton.jit
 def _swiglu_bwd_kernel(q_ptr, e_ptr, dy_ptr, dx_ptr, partial_ptr, scale_ptr, out_ptr, out_t_ptr, M, F, M_PAD,
                        CAST: tl.constexpr, WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr,

@@ -313,24 +313,3 @@ def test_blocks_launch_no_separate_finalize(monkeypatch):
     (out + h).sum().backward()
     assert x.grad is not None and bool(torch.isfinite(x.grad.float()).all())
     assert launches == []  # every scale was reduced in the launch that produced its partials
-
-
-def test_cached_launch_binds_arguments_in_signature_order():
-    """The cached launcher hands the compiled kernel every argument in signature order (keywords and defaults
-    filled in, launch options kept apart), and names a missing one; under the interpreter it defers to Triton."""
-    import triton.language as tl
-    from triton.runtime.jit import JITFunction
-
-    from coat_kernels.launcher import CachedLaunch
-
-    def kernel(a_ptr, n, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):
-        pass
-
-    wrapped = CachedLaunch(JITFunction(kernel))
-    assert wrapped.constexpr == [False, False, True, True]
-    a = torch.zeros(4)
-    values, options = wrapped._ordered((a,), {"BLOCK": 64, "n": 4, "num_warps": 2})
-    assert values[0] is a and values[1:] == [4, 64, False] and options == (("num_warps", 2),)
-    with pytest.raises(TypeError, match="missing argument 'n'"):
-        wrapped._ordered((a,), {"BLOCK": 64})
-    assert aq._cast_kernel.compiled == {}  # interpreted kernels never take the cached path

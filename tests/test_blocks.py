@@ -361,3 +361,28 @@ def test_small_model_trained_with_fp8_blocks_tracks_bf16(monkeypatch):
     tail_bf16, tail_coat = sum(bf16[-40:]) / 40, sum(coat[-40:]) / 40
     assert tail_bf16 < 0.5 * bf16[0]  # the task is learned
     assert abs(tail_coat - tail_bf16) < 0.05 * tail_bf16 + 0.02, (tail_coat, tail_bf16)
+
+
+def test_fprop_fast_accumulation_reaches_only_the_forward_gemms(monkeypatch):
+    """fprop_fast_accumulation() asks _scaled_mm for fast accumulation in forward GEMMs only (dgrad and wgrad keep
+    fp32 promotion), and restores the previous setting on exit."""
+    from coat_kernels import act_gemm
+
+    calls = []
+    real = torch._scaled_mm
+
+    def recording(*a, use_fast_accum=False, **k):
+        calls.append(use_fast_accum)
+        return real(*a, use_fast_accum=use_fast_accum, **k)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    torch.manual_seed(0)
+    x = torch.randn(32, 64).bfloat16().requires_grad_()
+    w = (torch.randn(48, 64) / 8).bfloat16().requires_grad_()
+    with act_gemm.fprop_fast_accumulation():
+        y = blocks.fp8_linear(x, w)
+    y.float().sum().backward()
+    assert calls == [True, False, False] and act_gemm.FPROP_FAST_ACCUM is False
+    calls.clear()
+    blocks.fp8_linear(x, w).float().sum().backward()
+    assert calls == [False, False, False]

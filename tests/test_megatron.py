@@ -102,7 +102,8 @@ def test_coat_args_extend_transformer_impl_choices():
     with pytest.raises(SystemExit):
         parser.parse_args(["--transformer-impl", "coat"])
     args = add_coat_args(parser).parse_args(["--transformer-impl", "coat", "--coat-attention", "sdpa"])
-    assert (args.transformer_impl, args.coat_attention) == ("coat", "sdpa")
+    assert (args.transformer_impl, args.coat_attention) == ("coat", "sdpa") and not args.coat_fprop_fast_accum
+    assert add_coat_args(_parser_like_megatron()).parse_args(["--coat-fprop-fast-accum"]).coat_fprop_fast_accum
     assert add_coat_args(_parser_like_megatron()).parse_args([]).transformer_impl == "transformer_engine"
 
 

@@ -1,0 +1,161 @@
+"""Host (CPU) time of the COAT Llama-2-7B layer (bench_llama_layer's shape) on the GPU machine.
+
+A layer step is GPU-bound once the host is ahead, but at the start of a step the GPU waits for the host to launch the
+first short kernels, so host time there is step time. This script measures, with the GPU held busy by a long
+`torch.cuda._sleep` (so the host never waits on it):
+- host ms per forward / backward;
+- when each launch (Triton kernel, FP8 GEMM, flash attention) leaves the host in one step, relative to its start;
+- per-call host costs of the pieces (torch.empty, a Triton launch, torch._scaled_mm, an empty autograd Function).
+
+    python benchmarks/host_overhead.py
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from contextlib import contextmanager
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import bench_llama_layer as bl  # noqa: E402
+from coat_kernels import act_quant as aq, blocks  # noqa: E402
+
+BUSY_CYCLES = 400_000_000  # ~0.2 s of GPU sleep: longer than any host work measured here
+
+
+@contextmanager
+def launch_marks(marks):
+    """Append (perf_counter, name) after every Triton launch, FP8 GEMM and SDPA call."""
+    from triton.runtime.jit import JITFunction
+
+    orig_launch, orig_gemm, orig_sdpa = JITFunction.run, blocks.fp8_gemm, bl.F.scaled_dot_product_attention
+
+    def launch(self, *args, **kwargs):
+        r = orig_launch(self, *args, **kwargs)
+        marks.append((time.perf_counter(), self.fn.__name__))
+        return r
+
+    def gemm(*a, **k):
+        r = orig_gemm(*a, **k)
+        marks.append((time.perf_counter(), "fp8_gemm"))
+        return r
+
+    def sdpa(*a, **k):
+        r = orig_sdpa(*a, **k)
+        marks.append((time.perf_counter(), "sdpa"))
+        return r
+
+    JITFunction.run, blocks.fp8_gemm, bl.F.scaled_dot_product_attention = launch, gemm, sdpa
+    try:
+        yield
+    finally:
+        JITFunction.run, blocks.fp8_gemm, bl.F.scaled_dot_product_attention = orig_launch, orig_gemm, orig_sdpa
+
+
+def host_times(layer, x, dy, params, reps=8):
+    """Median host ms of forward and backward with the GPU busy."""
+    fwd, bwd = [], []
+    for _ in range(reps):
+        for p in params:
+            p.grad = None
+        x.grad = None
+        torch.cuda._sleep(BUSY_CYCLES)
+        t0 = time.perf_counter()
+        out = layer(x)
+        t1 = time.perf_counter()
+        out.backward(dy)
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        fwd.append(t1 - t0)
+        bwd.append(t2 - t1)
+    return sorted(fwd)[reps // 2] * 1e3, sorted(bwd)[reps // 2] * 1e3
+
+
+def print_timeline(layer, x, dy, params):
+    marks = []
+    for p in params:
+        p.grad = None
+    x.grad = None
+    torch.cuda._sleep(BUSY_CYCLES)
+    with launch_marks(marks):
+        t0 = time.perf_counter()
+        out = layer(x)
+        n_fwd = len(marks)
+        out.backward(dy)
+    torch.cuda.synchronize()
+    prev = t0
+    print("  launch left the host at (us since the step started, + since the previous launch):")
+    for i, (t, name) in enumerate(marks):
+        print(f"    {'fwd' if i < n_fwd else 'bwd'} {1e6 * (t - t0):8.1f}  +{1e6 * (t - prev):6.1f}  {name}")
+        prev = t
+
+
+def per_call_us(fn, n=1000):
+    torch.cuda._sleep(BUSY_CYCLES)
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def piece_costs(dev):
+    a = torch.randn(8192, 4096, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(12288, 4096, device=dev, dtype=torch.bfloat16)
+    scale = aq.tensor_scale(a)
+    a8, w8 = aq.cast(a, scale)[0], aq.cast(w, scale)[0]
+
+    class Noop(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    leaf = torch.zeros(1, device=dev, requires_grad=True)
+    q = torch.empty_like(a8)
+    grid = (triton.cdiv(8192, aq.CAST_BM), triton.cdiv(4096, aq.CAST_BN))
+    cast_args = (a, scale, q, None, 8192, 4096, 8192)
+    cast_kw = dict(WRITE_ROW=True, WRITE_T=False, E5M2_OUT=False, BM=aq.CAST_BM, BN=aq.CAST_BN, num_warps=aq.CAST_WARPS)
+    costs = {
+        "torch.empty [8192,4096] fp8": lambda: torch.empty(8192, 4096, device=dev, dtype=torch.float8_e4m3fn),
+        "aq.cast (allocation + launch)": lambda: aq.cast(a, scale),
+        "torch._scaled_mm [8192,4096]x[4096,12288]": lambda: torch._scaled_mm(
+            a8, w8.t(), scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16),
+        "empty autograd Function": lambda: Noop.apply(leaf),
+        "cast kernel launch only": lambda: aq._cast_kernel[grid](*cast_args, **cast_kw),
+        "stage-2 ticket arguments": lambda: aq.final_scale_args(scale, "e4m3"),
+    }
+    return {k: per_call_us(f, n=200) for k, f in costs.items()}
+
+
+def main():
+    argparse.ArgumentParser(description=__doc__).parse_args()
+    dev = "cuda"
+    print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    _, layer = bl.make_layers(dev, 4, 2048, 4096, 11008, 32)
+    coat = bl.CoatLlamaLayer(layer)
+    params = list(layer.parameters())
+    x = torch.randn(4, 2048, 4096, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        for _ in range(3):
+            coat(x).backward(dy)
+        torch.cuda.synchronize()
+        print("host ms (forward, backward), GPU busy: %.2f, %.2f" % host_times(coat, x, dy, params))
+        print_timeline(coat, x, dy, params)
+        for k, v in piece_costs(dev).items():
+            print(f"  host us per call: {k:45s} {v:7.1f}")
+
+
+if __name__ == "__main__":
+    main()
