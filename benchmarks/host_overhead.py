@@ -77,6 +77,64 @@ def host_times(layer, x, dy, params, reps=8):
     return sorted(fwd)[reps // 2] * 1e3, sorted(bwd)[reps // 2] * 1e3
 
 
+def traced_forward(layer, x, params):
+    """Inclusive and self host time per function of one forward (GPU busy): every function of the coat_kernels
+    modules and autograd Function.apply wrapped by a timer (~1 us each), plus the torch calls they make."""
+    import collections
+    import inspect
+
+    from coat_kernels import act_gemm, act_norm, act_rope, act_swiglu
+
+    stack, totals = [], collections.defaultdict(lambda: [0, 0.0, 0.0])  # name -> [calls, inclusive, self]
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            stack.append(0.0)
+            try:
+                return fn(*a, **k)
+            finally:
+                d = time.perf_counter() - t
+                child = stack.pop()
+                if stack:
+                    stack[-1] += d
+                e = totals[name]
+                e[0] += 1
+                e[1] += d
+                e[2] += d - child
+        return wrapper
+
+    patched = []
+    for mod in (aq, act_norm, act_swiglu, act_rope, act_gemm, blocks):
+        for name, fn in list(vars(mod).items()):
+            if inspect.isfunction(fn) and fn.__module__ == mod.__name__:
+                patched.append((mod, name, fn))
+                setattr(mod, name, timed(f"{mod.__name__.split('.')[-1]}.{name}", fn))
+    for mod, name in ((torch, "empty"), (torch, "_scaled_mm"), (bl.F, "scaled_dot_product_attention")):
+        fn = getattr(mod, name)
+        patched.append((mod, name, fn))
+        setattr(mod, name, timed(f"torch.{name}", fn))
+    apply = torch.autograd.Function.__dict__["apply"]  # a classmethod: restored as one
+    patched.append((torch.autograd.Function, "apply", apply))
+    torch.autograd.Function.apply = classmethod(timed("Function.apply", apply.__func__))
+    try:
+        for p in params:
+            p.grad = None
+        x.grad = None
+        torch.cuda._sleep(BUSY_CYCLES)
+        t = time.perf_counter()
+        out = timed("forward", layer)(x)
+        total = time.perf_counter() - t
+    finally:
+        for mod, name, fn in patched:
+            setattr(mod, name, fn)
+    out.sum().backward()
+    torch.cuda.synchronize()
+    print(f"  traced forward: {total * 1e3:.2f} ms host; per function (calls, inclusive us, self us), by self time:")
+    for name, (n, inc, own) in sorted(totals.items(), key=lambda kv: -kv[1][2])[:30]:
+        print(f"    {name:42s} {n:4d} {inc * 1e6:9.1f} {own * 1e6:9.1f}")
+
+
 def print_timeline(layer, x, dy, params):
     marks = []
     for p in params:
@@ -153,6 +211,7 @@ def main():
         torch.cuda.synchronize()
         print("host ms (forward, backward), GPU busy: %.2f, %.2f" % host_times(coat, x, dy, params))
         print_timeline(coat, x, dy, params)
+        traced_forward(coat, x, params)
         for k, v in piece_costs(dev).items():
             print(f"  host us per call: {k:45s} {v:7.1f}")
 
