@@ -206,20 +206,23 @@ def te_variants(layer):
 
 
 # ------------------------------------------------------------------------------------------------ measurement
+def clear_grads(params, x):
+    """Gradients set to None before a step (the same for every variant)."""
+    for p in params:
+        p.grad = None
+    x.grad = None
+
+
 HOST_AHEAD_SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU sleep: longer than the host needs to enqueue a forward (~4 ms)
 
 
 def measure(name, fn, x, params, iters, warmup=3):
     dy = torch.randn_like(x)
     for _ in range(warmup):
-        for p in params:
-            p.grad = None
-        x.grad = None
+        clear_grads(params, x)
         fn(x).backward(dy)
     torch.cuda.synchronize()
-    for p in params:
-        p.grad = None
-    x.grad = None
+    clear_grads(params, x)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     out = fn(x)
@@ -232,9 +235,7 @@ def measure(name, fn, x, params, iters, warmup=3):
     gc.disable()  # no collector pauses inside the timed steps (the same for every variant)
     try:
         for _ in range(iters):
-            for p in params:
-                p.grad = None
-            x.grad = None
+            clear_grads(params, x)
             t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0.record()
             fn(x).backward(dy)
@@ -246,9 +247,7 @@ def measure(name, fn, x, params, iters, warmup=3):
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0.record()
         for _ in range(iters):
-            for p in params:
-                p.grad = None
-            x.grad = None
+            clear_grads(params, x)
             fn(x).backward(dy)
         t1.record()
         torch.cuda.synchronize()
@@ -257,9 +256,7 @@ def measure(name, fn, x, params, iters, warmup=3):
         # this is the step's GPU time alone (no launch latency; the sleep also lets the GPU's clocks recover a little)
         ahead = []
         for _ in range(iters):
-            for p in params:
-                p.grad = None
-            x.grad = None
+            clear_grads(params, x)
             t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda._sleep(HOST_AHEAD_SLEEP_CYCLES)
             t0.record()
@@ -719,9 +716,7 @@ def profile_step(layer, x, params, path, steps=3):
         layer(x).backward(dy)
     per = []
     for i in range(steps):
-        for p in params:
-            p.grad = None
-        x.grad = None
+        clear_grads(params, x)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             layer(x).backward(dy)
@@ -780,15 +775,11 @@ def graph_child(kinds, shape, iters):
             fn = {"coat": lambda: CoatLlamaLayer(layer), "bf16": lambda: layer,
                   "coat_cached": lambda: CoatLlamaLayer(layer, weight_cache=True)}[kind]()
             for _ in range(3):
-                for p in params:
-                    p.grad = None
-                x.grad = None
+                clear_grads(params, x)
                 fn(x).backward(dy)
             torch.cuda.synchronize()
             eager = [p.grad.clone() for p in params] + [x.grad.clone()]
-            for p in params:
-                p.grad = None
-            x.grad = None
+            clear_grads(params, x)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, stream=stream):
                 out = fn(x)
@@ -816,9 +807,7 @@ def graph_child(kinds, shape, iters):
                                                 "ms_steady": t0.elapsed_time(t1) / iters,
                                                 "max_rel_grad_diff_vs_eager": diff}), flush=True)
             del g, out
-            for p in params:
-                p.grad = None
-            x.grad = None
+            clear_grads(params, x)
             torch.cuda.empty_cache()
 
 
