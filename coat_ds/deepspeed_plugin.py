@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from . import engine_hooks
 from .optimizer import CoatFP8AdamW
 
 OPTIMIZER_NAME = "CoatFP8AdamW"
@@ -27,6 +28,7 @@ def register_with_deepspeed() -> None:
     if CoatFP8AdamW not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
         zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(CoatFP8AdamW)
     _guard_engine_config(DeepSpeedEngine)
+    engine_hooks.install(DeepSpeedEngine)
 
 
 def check_engine_config(engine) -> None:
