@@ -30,6 +30,9 @@ MODELS = {
     # TinyLlama 1.1B shape
     "tinyllama-1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                          num_attention_heads=32, num_key_value_heads=4),
+    # ~3B: Llama hidden 3072 (e.g. Llama-3.2-3B's width), 26 layers, GQA 24/8
+    "llama-3b": dict(vocab_size=32000, hidden_size=3072, intermediate_size=8192, num_hidden_layers=26,
+                     num_attention_heads=24, num_key_value_heads=8),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2),
 }
@@ -68,6 +71,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--csv", default=None, help="write step,loss,step_s,tokens_per_s here (rank 0)")
     p.add_argument("--label", default=None, help="name of the run in the summary")
+    p.add_argument("--compile-layers", action="store_true", help="torch.compile each decoder layer (in place)")
+    p.add_argument("--torchao-float8", action="store_true",
+                   help="torchao convert_to_float8_training (tensorwise; lm_head excluded) before DeepSpeed")
     p.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     return p.parse_args(argv)
 
@@ -126,6 +132,8 @@ def main(argv=None):
     config = load_config(args, world)
     model = build_model(args.model, args.seq_len, device, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    apply_peer_options(model, args)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     data = BigramData(model.config.vocab_size, args.seq_len, args.seed)
     micro = args.global_batch // world
@@ -139,9 +147,14 @@ def main(argv=None):
 
     rows, step_times = [], []
     csv = open_csv(args.csv) if rank == 0 and args.csv else None
+    memory = {}
     for step in range(args.steps):
         tokens = data.sequences(step * args.global_batch + rank * micro, micro).to(device)
         sync(device)
+        if step == 1 and device.type == "cuda":  # model states are all allocated after the first step
+            memory["before_forward"] = torch.cuda.memory_allocated(device)
+            memory["first_step_peak"] = torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         loss = engine(input_ids=tokens[:, :-1], labels=tokens[:, 1:].contiguous()).loss
         engine.backward(loss)
@@ -162,8 +175,10 @@ def main(argv=None):
             print(f"[train_ds] step {step + 1:5d}  loss {mean_loss:.4f}  step {step_s * 1e3:8.1f} ms  "
                   f"{tokens_per_step / step_s:9.0f} tokens/s", flush=True)
 
+    if "before_forward" in memory:
+        memory["step_peak"] = torch.cuda.max_memory_allocated(device)
     peaks = [None] * world
-    dist.all_gather_object(peaks, peak_memory_bytes(device))
+    dist.all_gather_object(peaks, max(peak_memory_bytes(device), memory.get("first_step_peak", 0)))
     states = [None] * world
     dist.all_gather_object(states, optimizer_state_report(engine))
     if rank == 0:
@@ -177,7 +192,8 @@ def main(argv=None):
                        peak_memory_gib=[b / 2 ** 30 for b in peaks],
                        optimizer_state_bytes=[s["state_bytes"] for s in states],
                        stepped_numel=[s["stepped_numel"] for s in states],
-                       state_bytes_per_element=[round(s["bytes_per_element"], 4) for s in states])
+                       state_bytes_per_element=[round(s["bytes_per_element"], 4) for s in states],
+                       memory_breakdown_gib=breakdown(memory, weight_bytes, states[0]["state_bytes"]))
         for r in range(world):
             print(f"[train_ds] rank {r}: peak memory {peaks[r] / 2 ** 30:.2f} GiB, optimizer state "
                   f"{states[r]['state_bytes'] / 2 ** 30:.3f} GiB", flush=True)
@@ -186,6 +202,30 @@ def main(argv=None):
         csv.close()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def apply_peer_options(model, args):
+    """The peers a Hugging Face user would reach for, applied before DeepSpeed wraps the model."""
+    if args.torchao_float8:
+        from torchao.float8 import convert_to_float8_training
+
+        convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn != "lm_head")
+    if args.compile_layers or args.torchao_float8:
+        for layer in model.model.layers:
+            layer.compile()
+
+
+def breakdown(memory: dict, weight_bytes: int, optimizer_state_bytes: int) -> dict:
+    """Rank 0's memory in GiB, measured: bf16 weights; optimizer state (moments and metadata); the other model
+    states held between steps (fp32 master partition, gradient buffers); what one step adds at its peak
+    (activations saved for backward, logits, temporaries)."""
+    if "before_forward" not in memory:
+        return {}
+    gib = 2.0 ** 30
+    held = memory["before_forward"]
+    return dict(weights=weight_bytes / gib, optimizer_state=optimizer_state_bytes / gib,
+                master_and_grad_buffers=(held - weight_bytes - optimizer_state_bytes) / gib,
+                step_transient=(memory["step_peak"] - held) / gib, step_peak=memory["step_peak"] / gib)
 
 
 def open_csv(path):

@@ -1,0 +1,183 @@
+"""Hugging Face Llama under DeepSpeed ZeRO-2 bf16, one process per arm, same data and seed: tokens/s, peak memory,
+a measured memory breakdown and loss curves, at one micro-batch and then at each arm's largest micro-batch.
+
+Arms (each is `launch/train_ds.py` with a ds_config and, for the peers, one flag):
+  bf16          "type": "AdamW" (torch fused)                     configs/ds_zero2_adamw_bf16.json
+  bf16_compile  the same, each decoder layer under torch.compile  + --compile-layers
+  coat_optim    "type": "CoatFP8AdamW" (optimizer half only)      configs/ds_zero2_coat.json
+  coat          CoatFP8AdamW + "coat": {"fp8_activations": true}  configs/ds_zero2_coat_full.json
+  torchao       torchao float8 tensorwise + compile + AdamW       configs/ds_zero2_adamw_bf16.json + --torchao-float8
+
+    python benchmarks/hf_deepspeed_compare.py [--model tinyllama-1b] [--micro-batch 8] [--steps 30]
+        [--curve-steps 200] [--curve-arms bf16,coat] [--arms ...] [--max-batch] [--out DIR]
+
+Largest micro-batch: the first run's breakdown gives the memory held between steps and what a step adds per
+sequence; the predicted largest batch is run for a few steps, and on out-of-memory 10% smaller, until one fits.
+Writes DIR/results.json, DIR/results.md, DIR/loss.png (matplotlib) and one log + CSV per run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARMS = {
+    "bf16": ("configs/ds_zero2_adamw_bf16.json", []),
+    "bf16_compile": ("configs/ds_zero2_adamw_bf16.json", ["--compile-layers"]),
+    "coat_optim": ("configs/ds_zero2_coat.json", []),
+    "coat": ("configs/ds_zero2_coat_full.json", []),
+    "torchao": ("configs/ds_zero2_adamw_bf16.json", ["--torchao-float8"]),
+}
+
+
+def run_arm(arm, args, micro_batch, steps, tag, port):
+    """One training process; returns its SUMMARY dict, or {"error": ...}."""
+    config, flags = ARMS[arm]
+    name = f"{arm}_mb{micro_batch}_{tag}"
+    log, csv = os.path.join(args.out, name + ".log"), os.path.join(args.out, name + ".csv")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(port),
+           os.path.join(ROOT, "launch", "train_ds.py"), "--ds-config", os.path.join(ROOT, config), "--model",
+           args.model, "--seq-len", str(args.seq_len), "--global-batch", str(micro_batch), "--steps", str(steps),
+           "--seed", str(args.seed), "--label", name, "--csv", csv, *flags]
+    print(f"== {name}: {' '.join(cmd)}", flush=True)
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=args.run_timeout)
+    text = open(log).read()
+    summary = next((json.loads(line[8:]) for line in text.splitlines() if line.startswith("SUMMARY ")), None)
+    if summary is not None:
+        summary.update(arm=arm, micro_batch=micro_batch, csv=csv)
+        print(f"   {summary['tokens_per_s']:,.0f} tokens/s, peak {max(summary['peak_memory_gib']):.2f} GiB, "
+              f"final loss {summary['final_loss']:.4f}", flush=True)
+        return summary
+    oom = "OutOfMemoryError" in text or "CUDA out of memory" in text
+    error = "out of memory" if oom else f"exit {proc.returncode}: " + " | ".join(text.strip().splitlines()[-3:])
+    print(f"   {error}", flush=True)
+    return {"arm": arm, "micro_batch": micro_batch, "error": error, "oom": oom}
+
+
+def total_gib():
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory / 2 ** 30 if torch.cuda.is_available() else math.inf
+
+
+def largest_batch(arm, first, args, port):
+    """Predicted from the first run's breakdown, verified by a short run (10% smaller after an out-of-memory)."""
+    b = first.get("memory_breakdown_gib") or {}
+    if not b:
+        return None
+    per_sequence = b["step_transient"] / first["micro_batch"]
+    held = b["step_peak"] - b["step_transient"]
+    budget = total_gib() * args.memory_fraction
+    mb = max(first["micro_batch"], int((budget - held) / per_sequence))
+    for _ in range(args.max_batch_tries):
+        result = run_arm(arm, args, mb, args.max_batch_steps, "max", port)
+        if "error" not in result:
+            result["predicted_from"] = first["micro_batch"]
+            return result
+        if not result.get("oom") or mb <= first["micro_batch"]:
+            return result
+        mb = max(first["micro_batch"], int(mb * 0.9))
+    return result
+
+
+def table(rows, base):
+    lines = ["| arm | micro-batch | tokens/s | x bf16 | peak GiB | weights | optimizer state | master + grad "
+             "buffers | step transient | final loss |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['arm']} | {r['micro_batch']} | {r['error']} | | | | | | | |")
+            continue
+        b = r.get("memory_breakdown_gib") or {}
+        speed = r["tokens_per_s"] / base if base else float("nan")
+        cells = [f"{b[k]:.2f}" if k in b else "" for k in ("weights", "optimizer_state", "master_and_grad_buffers",
+                                                            "step_transient")]
+        lines.append(f"| {r['arm']} | {r['micro_batch']} | {r['tokens_per_s']:,.0f} | {speed:.2f} | "
+                     f"{max(r['peak_memory_gib']):.2f} | " + " | ".join(cells) + f" | {r['final_loss']:.4f} |")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not importable: no loss.png", flush=True)
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in rows:
+        if "error" in r or not os.path.exists(r["csv"]):
+            continue
+        steps, losses = [], []
+        for line in open(r["csv"]).read().splitlines()[1:]:
+            s, loss, *_ = line.split(",")
+            steps.append(int(s))
+            losses.append(float(loss))
+        if len(steps) > 50:
+            ax.plot(steps, losses, label=f"{r['arm']} (mb {r['micro_batch']})", linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("train loss")
+    ax.set_title("HF Llama, DeepSpeed ZeRO-2 bf16")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tinyllama-1b")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=30, help="steps of the arms without a loss curve")
+    p.add_argument("--curve-steps", type=int, default=200)
+    p.add_argument("--curve-arms", default="bf16,coat")
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--max-batch", action="store_true", help="also run each arm at its largest micro-batch")
+    p.add_argument("--max-batch-steps", type=int, default=12)
+    p.add_argument("--max-batch-tries", type=int, default=3)
+    p.add_argument("--memory-fraction", type=float, default=0.96)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--run-timeout", type=int, default=900)
+    p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        raise SystemExit(f"unknown arms {unknown}; choose from {sorted(ARMS)}")
+    curve_arms = set(args.curve_arms.split(","))
+    rows = []
+    for i, arm in enumerate(arms):
+        steps = args.curve_steps if arm in curve_arms else args.steps
+        rows.append(run_arm(arm, args, args.micro_batch, steps, "fixed", 29600 + i))
+    if args.max_batch:
+        for i, first in enumerate(list(rows)):
+            if "error" not in first:
+                result = largest_batch(first["arm"], first, args, 29650 + i)
+                if result is not None:
+                    rows.append(result)
+    base = next((r["tokens_per_s"] for r in rows if r.get("arm") == "bf16" and "error" not in r
+                 and r["micro_batch"] == args.micro_batch), None)
+    md = table(rows, base)
+    best = {}
+    for r in rows:
+        if "error" not in r:
+            best[r["arm"]] = max(best.get(r["arm"], 0.0), r["tokens_per_s"])
+    if "bf16" in best:
+        md += "\n\nBest tokens/s per arm (x bf16's best): " + ", ".join(
+            f"{a} {v:,.0f} ({v / best['bf16']:.2f}x)" for a, v in best.items())
+    print(md, flush=True)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(md + "\n")
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    plot(rows, os.path.join(args.out, "loss.png"))
+
+
+if __name__ == "__main__":
+    main()
