@@ -1,6 +1,6 @@
 """Which dtype should hold the 1x16 group scales? Quantization error of E4M3 / E5M2 1x16 groups with the scale
 (computed in fp32 as amax / FP8_MAX) stored as fp32, as bf16 (rounded up) or as a power-of-two exponent byte
-(E8M0, rounded up: what coat_kernels.act_quant ships), on several activation-like distributions. CPU, seconds.
+(E8M0, rounded up), on several activation-like distributions. CPU, seconds.
 
     python benchmarks/bench_act_scale_dtype.py
 """

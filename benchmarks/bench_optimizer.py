@@ -66,7 +66,7 @@ def main():
     rows = [bench("torch AdamW fused=True", lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True), params, 28)]
     rows.append(bench("CoatFP8AdamW (Triton)", lambda ps: CoatFP8AdamW(ps, lr=1e-4), params, 16))
     if args.sweep:
-        from coat_kernels import dre_triton
+        from coat_kernels.optim import dre_triton
         knobs = ("GROUPS_PER_PROGRAM", "NUM_WARPS", "THREADS_PER_GROUP", "MAX_REGISTERS")
         default = tuple(getattr(dre_triton, k) for k in knobs)
         for setting in ((4, 2, 16, None), (4, 2, 16, 80), (8, 4, 16, 64), (8, 2, 8, 64)):

@@ -21,10 +21,11 @@ import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import bench_llama_layer as bl  # noqa: E402
-from coat_kernels import act_quant as aq, blocks  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import layer_common as lc  # noqa: E402
+
+from coat_kernels.act import functional, fused_mlp, gemm, llama, norm, rope, scaling, swiglu  # noqa: E402
+from coat_kernels.act import tensor_quant as TQ  # noqa: E402
 
 BUSY_CYCLES = 400_000_000  # ~0.2 s of GPU sleep: longer than any host work measured here
 
@@ -34,14 +35,14 @@ def launch_marks(marks):
     """Append (perf_counter, name) after every Triton launch, FP8 GEMM and SDPA call."""
     from triton.runtime.jit import JITFunction
 
-    orig_launch, orig_gemm, orig_sdpa = JITFunction.run, blocks.fp8_gemm, bl.F.scaled_dot_product_attention
+    orig_launch, orig_gemm, orig_sdpa = JITFunction.run, gemm.fp8_gemm, torch.nn.functional.scaled_dot_product_attention
 
     def launch(self, *args, **kwargs):
         r = orig_launch(self, *args, **kwargs)
         marks.append((time.perf_counter(), self.fn.__name__))
         return r
 
-    def gemm(*a, **k):
+    def gemm_marked(*a, **k):
         r = orig_gemm(*a, **k)
         marks.append((time.perf_counter(), "fp8_gemm"))
         return r
@@ -51,11 +52,16 @@ def launch_marks(marks):
         marks.append((time.perf_counter(), "sdpa"))
         return r
 
-    JITFunction.run, blocks.fp8_gemm, bl.F.scaled_dot_product_attention = launch, gemm, sdpa
+    gemm_users = (functional, fused_mlp)
+    JITFunction.run, torch.nn.functional.scaled_dot_product_attention = launch, sdpa
+    for mod in gemm_users:
+        mod.fp8_gemm = gemm_marked
     try:
         yield
     finally:
-        JITFunction.run, blocks.fp8_gemm, bl.F.scaled_dot_product_attention = orig_launch, orig_gemm, orig_sdpa
+        JITFunction.run, torch.nn.functional.scaled_dot_product_attention = orig_launch, orig_sdpa
+        for mod in gemm_users:
+            mod.fp8_gemm = orig_gemm
 
 
 def host_times(layer, x, dy, params, reps=8):
@@ -83,8 +89,6 @@ def traced_forward(layer, x, params):
     import collections
     import inspect
 
-    from coat_kernels import act_gemm, act_norm, act_rope, act_swiglu
-
     stack, totals = [], collections.defaultdict(lambda: [0, 0.0, 0.0])  # name -> [calls, inclusive, self]
 
     def timed(name, fn):
@@ -105,12 +109,12 @@ def traced_forward(layer, x, params):
         return wrapper
 
     patched = []
-    for mod in (aq, act_norm, act_swiglu, act_rope, act_gemm, blocks):
+    for mod in (TQ, scaling, norm, swiglu, rope, gemm, functional, fused_mlp, llama):
         for name, fn in list(vars(mod).items()):
             if inspect.isfunction(fn) and fn.__module__ == mod.__name__:
                 patched.append((mod, name, fn))
                 setattr(mod, name, timed(f"{mod.__name__.split('.')[-1]}.{name}", fn))
-    for mod, name in ((torch, "empty"), (torch, "_scaled_mm"), (bl.F, "scaled_dot_product_attention")):
+    for mod, name in ((torch, "empty"), (torch, "_scaled_mm"), (torch.nn.functional, "scaled_dot_product_attention")):
         fn = getattr(mod, name)
         patched.append((mod, name, fn))
         setattr(mod, name, timed(f"torch.{name}", fn))
@@ -167,8 +171,8 @@ def per_call_us(fn, n=1000):
 def piece_costs(dev):
     a = torch.randn(8192, 4096, device=dev, dtype=torch.bfloat16)
     w = torch.randn(12288, 4096, device=dev, dtype=torch.bfloat16)
-    scale = aq.tensor_scale(a)
-    a8, w8 = aq.cast(a, scale)[0], aq.cast(w, scale)[0]
+    scale = TQ.tensor_scale(a, "e4m3", True)
+    a8, w8 = TQ.cast(a, scale, "e4m3", True)[0], TQ.cast(w, scale, "e4m3", True)[0]
 
     class Noop(torch.autograd.Function):
         @staticmethod
@@ -181,17 +185,18 @@ def piece_costs(dev):
 
     leaf = torch.zeros(1, device=dev, requires_grad=True)
     q = torch.empty_like(a8)
-    grid = (triton.cdiv(8192, aq.CAST_BM), triton.cdiv(4096, aq.CAST_BN))
+    grid = (triton.cdiv(8192, TQ.CAST_BM), triton.cdiv(4096, TQ.CAST_BN))
     cast_args = (a, scale, q, None, 8192, 4096, 8192)
-    cast_kw = dict(WRITE_ROW=True, WRITE_T=False, E5M2_OUT=False, BM=aq.CAST_BM, BN=aq.CAST_BN, num_warps=aq.CAST_WARPS)
+    cast_kw = dict(WRITE_ROW=True, WRITE_T=False, E5M2_OUT=False, BM=TQ.CAST_BM, BN=TQ.CAST_BN, num_warps=TQ.CAST_WARPS)
+    tickets = scaling.ScaleTickets()
     costs = {
         "torch.empty [8192,4096] fp8": lambda: torch.empty(8192, 4096, device=dev, dtype=torch.float8_e4m3fn),
-        "aq.cast (allocation + launch)": lambda: aq.cast(a, scale),
+        "cast (allocation + launch)": lambda: TQ.cast(a, scale, "e4m3", True),
         "torch._scaled_mm [8192,4096]x[4096,12288]": lambda: torch._scaled_mm(
             a8, w8.t(), scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16),
         "empty autograd Function": lambda: Noop.apply(leaf),
-        "cast kernel launch only": lambda: aq._cast_kernel[grid](*cast_args, **cast_kw),
-        "stage-2 ticket arguments": lambda: aq.final_scale_args(scale, "e4m3"),
+        "cast kernel launch only": lambda: TQ._cast_kernel[grid](*cast_args, **cast_kw),
+        "stage-2 ticket arguments": lambda: scaling.stage_two_args(scale.reshape(1), "e4m3", tickets),
     }
     return {k: per_call_us(f, n=200) for k, f in costs.items()}
 
@@ -200,9 +205,9 @@ def main():
     argparse.ArgumentParser(description=__doc__).parse_args()
     dev = "cuda"
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    _, layer = bl.make_layers(dev, 4, 2048, 4096, 11008, 32)
-    coat = bl.CoatLlamaLayer(layer)
-    params = list(layer.parameters())
+    _, layer = lc.make_layers(dev, 4, 2048, 4096, 11008, 32)
+    coat = lc.coat_layer(layer)
+    params = list(coat.parameters())
     x = torch.randn(4, 2048, 4096, device=dev, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

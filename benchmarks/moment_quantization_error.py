@@ -2,8 +2,8 @@
 against Dynamic Range Expansion, for several caps on k. Usage: python benchmarks/moment_quantization_error.py"""
 import torch
 
-from coat_kernels import dre_reference as ref
-from coat_kernels.grouping import build_layout
+from coat_kernels.optim import dre_reference as ref
+from coat_kernels.optim.grouping import build_layout
 
 
 def adam_moments(steps=30, seed=3):

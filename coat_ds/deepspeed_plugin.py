@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from coat_kernels.optim import state_report
+
 from . import engine_hooks
 from .optimizer import CoatFP8AdamW
 
@@ -71,12 +73,4 @@ def inner_optimizer(engine) -> torch.optim.Optimizer:
 
 def optimizer_state_report(engine) -> dict:
     """This rank's optimizer-state bytes (moments and their metadata) against the numel it steps."""
-    opt = inner_optimizer(engine)
-    if isinstance(opt, CoatFP8AdamW):
-        state_bytes = opt.state_bytes()
-    else:
-        state_bytes = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
-                          if torch.is_tensor(t))
-    numel = sum(p.numel() for p in opt.state)
-    return {"optimizer": type(opt).__name__, "state_bytes": state_bytes, "stepped_numel": numel,
-            "bytes_per_element": state_bytes / max(numel, 1)}
+    return state_report([inner_optimizer(engine)])

@@ -21,7 +21,7 @@ import tempfile
 
 import torch
 
-from .optimizer import dequantize_state_entry
+from coat_kernels.optim import is_coat_state, to_fp32
 
 
 def expand_states(obj, found: list | None = None):
@@ -30,9 +30,9 @@ def expand_states(obj, found: list | None = None):
     Appends one item to `found` per entry replaced."""
     found = [] if found is None else found
     if isinstance(obj, dict):
-        if "exp_avg_q" in obj and "segments" in obj:
+        if is_coat_state(obj):
             found.append(1)
-            return {"step": obj["step"], **dequantize_state_entry(obj)}
+            return {"step": obj["step"], **to_fp32(obj)}
         return {k: expand_states(v, found) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(expand_states(v, found) for v in obj)

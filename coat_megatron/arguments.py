@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 
+from coat_kernels.formats import FORMATS
+from coat_kernels.optim.config import DEFAULTS
+
 from .attention import ATTENTION_BACKENDS
 
 COAT_IMPL = "coat"
-FP8_FORMATS = ("e4m3", "e5m2")
+FP8_FORMATS = tuple(FORMATS)
 
 
 def add_coat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -35,16 +38,19 @@ def add_coat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     opt.add_argument("--coat-optimizer", action="store_true",
                      help="replace Megatron's Adam (inside the distributed or mixed-precision optimizer) by "
                           "CoatFP8AdamW: both moments in FP8 with per-group dynamic range expansion")
-    opt.add_argument("--coat-exp-avg-format", choices=FP8_FORMATS, default="e4m3", help="FP8 format of exp_avg")
-    opt.add_argument("--coat-exp-avg-sq-format", choices=FP8_FORMATS, default="e4m3",
+    opt.add_argument("--coat-exp-avg-format", choices=FP8_FORMATS, default=DEFAULTS.exp_avg_format,
+                     help="FP8 format of exp_avg")
+    opt.add_argument("--coat-exp-avg-sq-format", choices=FP8_FORMATS, default=DEFAULTS.exp_avg_sq_format,
                      help="FP8 format of exp_avg_sq")
     opt.add_argument("--coat-no-expand-exp-avg", dest="coat_expand_exp_avg", action="store_false",
                      help="no dynamic range expansion for exp_avg")
     opt.add_argument("--coat-no-expand-exp-avg-sq", dest="coat_expand_exp_avg_sq", action="store_false",
                      help="no dynamic range expansion for exp_avg_sq")
-    opt.add_argument("--coat-group-size", type=int, default=128, help="elements per quantization group")
-    opt.add_argument("--coat-expand-min", type=int, default=16, help="the expansion exponent k is a multiple of 1/N")
-    opt.add_argument("--coat-k-max", type=float, default=16.0, help="cap on the expansion exponent k")
+    opt.add_argument("--coat-group-size", type=int, default=DEFAULTS.group_size,
+                     help="elements per quantization group")
+    opt.add_argument("--coat-expand-min", type=int, default=DEFAULTS.expand_min,
+                     help="the expansion exponent k is a multiple of 1/N")
+    opt.add_argument("--coat-k-max", type=float, default=DEFAULTS.k_max, help="cap on the expansion exponent k")
     return parser
 
 

@@ -1,7 +1,7 @@
 """COAT linear layers with the interfaces of Megatron's TransformerEngine wrappers.
 
 They subclass megatron-core's ColumnParallelLinear / RowParallelLinear and replace only the GEMM
-(`_forward_impl`) with the shared FP8 blocks of `coat_kernels.blocks`, so tensor-parallel attributes,
+(`_forward_impl`) with the shared FP8 blocks of `coat_kernels.act`, so tensor-parallel attributes,
 initialisation, `sharded_state_dict` and the `_extra_state` load hook are Megatron's own. Parameter names
 follow TE (`weight`, `bias`, `layer_norm_weight`, `layer_norm_bias`): checkpoints move between TE and COAT runs.
 
@@ -10,62 +10,45 @@ Tensor/sequence parallel plumbing done here (the row layer's output reduction st
   otherwise, with TP > 1, the input's gradient is all-reduced over TP (Megatron's `copy_to` region);
 - the fused norm's parameters get their gradient summed over TP inside autograd (each TP rank only sees its own
   output columns), so they carry no `sequence_parallel` tag and finalize_model_grads leaves them alone.
+Every layer takes `coat_config` (ActivationConfig) and `coat_runtime` (the model's CoatRuntime), which the spec
+binds; its weight cache belongs to that runtime, whose clock `coat_megatron.enable_coat` ties to the optimizer.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
 
-FUSED_ACTIVATIONS = (None, "swiglu", "gelu")
-
-
-def _blocks():
-    from coat_kernels import blocks  # the shared FP8 blocks; imported on first use
-
-    return blocks
+from coat_kernels.act import (ActivationConfig, CoatRuntime, Norm, fp8_gelu, fp8_linear, fp8_norm_linear,
+                              fp8_swiglu_linear)
 
 
 def _param_device(config):
     return torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
 
 
-_weight_generation = None
+class _CoatLinearMixin:
+    """The activation config, the model's CoatRuntime (given by the spec) and this layer's FP8 weight cache."""
+
+    def _init_coat(self, coat_config, coat_runtime):
+        self.coat_config = coat_config or ActivationConfig()
+        self.coat_runtime = coat_runtime or CoatRuntime()
+        self.weight_cache = self.coat_runtime.new_weight_cache()
+
+    def _block_kwargs(self):
+        return dict(config=self.coat_config, runtime=self.coat_runtime, weight_cache=self.weight_cache)
 
 
-def set_weight_generation(fn) -> None:
-    """`fn()` -> a hashable key that changes whenever the weights may have changed (e.g. the training iteration).
-
-    The blocks' WeightCache notices in-place updates through `weight._version`, but Megatron's mixed-precision
-    optimizers write the BF16 weights through `.data` (and NCCL param all-gathers), which does not bump it.
-    Without a generation source (the default) every forward re-quantizes its weight; the launcher installs
-    (iteration, grad mode) so micro-batches of one step share one FP8 weight.
-    """
-    global _weight_generation
-    _weight_generation = fn
-
-
-class _WeightCacheMixin:
-    """One FP8 copy of `weight` per weight generation, shared by the micro-batches of an optimizer step."""
-
-    def weight_cache(self):
-        cache = self.__dict__.get("_coat_weight_cache")
-        if cache is None:
-            cache = _blocks().WeightCache()
-            self.__dict__["_coat_weight_cache"] = cache
-        generation = None if _weight_generation is None else _weight_generation()
-        if generation is None or generation != self.__dict__.get("_coat_weight_generation"):
-            cache.invalidate()
-            self.__dict__["_coat_weight_generation"] = generation
-        return cache
-
-
-class CoatColumnParallelLinear(_WeightCacheMixin, ColumnParallelLinear):
+class CoatColumnParallelLinear(_CoatLinearMixin, ColumnParallelLinear):
     """ColumnParallelLinear whose GEMM quantizes its input and weight per tensor to FP8 (input saved in FP8)."""
+
+    def __init__(self, *args, coat_config: ActivationConfig | None = None, coat_runtime: CoatRuntime | None = None,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_coat(coat_config, coat_runtime)
 
     def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False,
                       allreduce_dgrad=False, sequence_parallel=False, tp_group=None, **unused):
@@ -79,7 +62,7 @@ class CoatColumnParallelLinear(_WeightCacheMixin, ColumnParallelLinear):
         return self._gemm(input, weight, bias)
 
     def _gemm(self, x, weight, bias):
-        return _blocks().fp8_linear(x, weight, bias, weight_cache=self.weight_cache())
+        return fp8_linear(x, weight, bias, **self._block_kwargs())
 
 
 class CoatLayerNormColumnParallelLinear(CoatColumnParallelLinear):
@@ -113,47 +96,41 @@ class CoatLayerNormColumnParallelLinear(CoatColumnParallelLinear):
         norm_bias = self.layer_norm_bias
         if norm_bias is not None:
             norm_bias = copy_to_tensor_model_parallel_region(norm_bias, group=self.tp_group)
-        return _blocks().fp8_norm_linear(x, norm_weight, norm_bias, weight, bias, norm=self.norm, eps=self.eps,
-                                         zero_centered_gamma=self.zero_centered_gamma,
-                                         weight_cache=self.weight_cache())
+        return fp8_norm_linear(x, norm_weight, norm_bias, weight, bias, norm=self.norm, eps=self.eps,
+                               zero_centered_gamma=self.zero_centered_gamma, **self._block_kwargs())
 
 
-class CoatRowParallelLinear(_WeightCacheMixin, RowParallelLinear):
-    """RowParallelLinear with an FP8 GEMM; `fused_activation` ("swiglu" | "gelu") applies COAT's FP8
+ACTIVATIONS = ("swiglu", "gelu")
+
+
+class CoatRowParallelLinear(_CoatLinearMixin, RowParallelLinear):
+    """RowParallelLinear with an FP8 GEMM; `activation` ("swiglu" | "gelu", set by CoatMLP) applies COAT's FP8
     non-linearity to the input first (SwiGLU fused with this GEMM's input quantization)."""
 
-    fused_activation = None
+    def __init__(self, *args, coat_config: ActivationConfig | None = None, coat_runtime: CoatRuntime | None = None,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_coat(coat_config, coat_runtime)
+        self.activation = None
 
     def _forward_impl(self, input, weight, *args, **kwargs):
-        blocks = _blocks()
-        if self.fused_activation == "swiglu":
-            return blocks.fp8_swiglu_linear(input, weight, None, weight_cache=self.weight_cache())
-        if self.fused_activation == "gelu":
-            input = blocks.fp8_gelu(input)
-        return blocks.fp8_linear(input, weight, None, weight_cache=self.weight_cache())
+        if self.activation == "swiglu":
+            return fp8_swiglu_linear(input, weight, None, **self._block_kwargs())
+        if self.activation == "gelu":
+            input = fp8_gelu(input, config=self.coat_config)
+        return fp8_linear(input, weight, None, **self._block_kwargs())
 
 
-class CoatNorm(torch.nn.Module):
+class CoatNorm(Norm):
     """BF16 RMSNorm/LayerNorm with TENorm's constructor and parameter names, for the final norm (COAT keeps the
     final norm, LM head and loss in BF16). Works under sequence parallelism: parameters are tagged
     `sequence_parallel` so finalize_model_grads sums their gradients over TP, as for TENorm."""
 
     def __init__(self, config, hidden_size, eps=1e-5):
-        super().__init__()
         if config.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"COAT supports LayerNorm and RMSNorm, not {config.normalization!r}")
-        self.rms = config.normalization == "RMSNorm"
-        self.eps = eps
-        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
-        device, dtype = _param_device(config), config.params_dtype
-        gamma = torch.zeros if self.zero_centered_gamma else torch.ones
-        self.weight = torch.nn.Parameter(gamma(hidden_size, device=device, dtype=dtype))
-        self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))
+        super().__init__(hidden_size, norm="rmsnorm" if config.normalization == "RMSNorm" else "layernorm", eps=eps,
+                         zero_centered_gamma=config.layernorm_zero_centered_gamma, device=_param_device(config),
+                         params_dtype=config.params_dtype)
         for p in self.parameters():
             p.sequence_parallel = config.sequence_parallel
-
-    def forward(self, x):
-        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
-        if self.rms:
-            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
-        return F.layer_norm(x, (x.shape[-1],), weight, self.bias, self.eps)

@@ -1,6 +1,6 @@
 """CoatMLP: Megatron's MLP with COAT's FP8 non-linearity between fc1 and fc2.
 
-fc1 is the fused norm + FP8 column-parallel linear; the activation is handed to fc2 (`fused_activation`), where
+fc1 is the fused norm + FP8 column-parallel linear; the activation is handed to fc2 (`activation`), where
 SwiGLU (or GELU) reads fc1's output, saves it in FP8 groups and feeds fc2's FP8 GEMM. Everything else, including
 `sharded_state_dict` with the [gate, up] interleave factory for TP resharding, is Megatron's MLP.
 """
@@ -30,7 +30,7 @@ class CoatMLP(MLP):
             raise TypeError(f"CoatMLP needs CoatRowParallelLinear as linear_fc2, got {type(self.linear_fc2)}")
         if config.use_te_activation_func:
             raise ValueError("CoatMLP runs its own FP8 activation: unset use_te_activation_func")
-        self.linear_fc2.fused_activation = coat_activation(config)
+        self.linear_fc2.activation = coat_activation(config)
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
         if per_token_scale is not None:

@@ -24,10 +24,8 @@ from itertools import chain
 
 import torch
 
-from coat_ds.optimizer import CoatFP8AdamW, _moment_configs, dequantize_state_entry
-
-COAT_OPTION_KEYS = ("exp_avg_format", "exp_avg_sq_format", "expand_exp_avg", "expand_exp_avg_sq", "group_size",
-                    "expand_min", "k_max")
+from coat_kernels.optim import CoatFP8AdamW, state_report, to_fp32
+from coat_kernels.optim.config import GROUP_OPTION_NAMES
 
 
 class MegatronCoatFP8AdamW(CoatFP8AdamW):
@@ -45,7 +43,11 @@ class MegatronCoatFP8AdamW(CoatFP8AdamW):
         super().__init__(param_groups, lr=first["lr"], betas=first["betas"], eps=first["eps"],
                          weight_decay=first["weight_decay"], **coat_options)
         self._use_own_coat_options()
-        self.init_state()
+        self.initialize_state()
+
+    def param_segments(self, param, group_index):
+        """A shard main param of the distributed optimizer starts `param_offsets[param]` into its parameter."""
+        return [(0, param.numel(), self._param_offsets.get(param, 0))] if param.numel() else []
 
     def add_param_group(self, param_group):
         # The distributed optimizer's shards of fp32 model params are views (non-leaf), which torch's leaf check
@@ -60,43 +62,7 @@ class MegatronCoatFP8AdamW(CoatFP8AdamW):
         """This run's COAT options win over those of loaded param groups (the fp32 moments on disk have none)."""
         for group in self.param_groups:
             group.pop("step", None)  # TE FusedAdam keeps one; ours lives in the state
-            group.update({k: self.defaults[k] for k in COAT_OPTION_KEYS})
-
-    # ---- state --------------------------------------------------------------------------------------------------
-    def init_state(self):
-        """FP8 zero moments at step 0 for every param that has none yet."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                if "exp_avg_q" not in self.state[p]:
-                    self._requantize(p, group, None)
-
-    def fp32_moments(self, p) -> dict:
-        """{"exp_avg", "exp_avg_sq"}: fp32, flat, on p's device."""
-        return dequantize_state_entry(self.state[p])
-
-    def set_fp32_moments(self, p, exp_avg, exp_avg_sq):
-        """Replace p's moments by these fp32 values (any shape with p's numel), quantized now."""
-        self._requantize(p, self._group_of(p), {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
-
-    def _requantize(self, p, group, fp32_moments):
-        state = self.state[p]
-        step = state.get("step")
-        state.clear()
-        state["step"] = torch.tensor(0.0 if step is None else float(step), dtype=torch.float32)
-        state["segments"] = torch.tensor([[0, p.numel(), self._param_offsets.get(p, 0)]] if p.numel() else [],
-                                         dtype=torch.int64).reshape(-1, 3)
-        for key, value in (fp32_moments or {}).items():
-            state[key] = value.detach().to(p.device, torch.float32).reshape(-1).contiguous()
-        layout = self._layouts.get(p)
-        self._init_state(p, group, *_moment_configs(group))  # quantizes fp32 moments found in the state
-        if layout is not None and layout == self._layouts[p]:
-            self._layouts[p] = layout  # the same object: kernel launchers cached per layout stay valid
-
-    def _group_of(self, p):
-        for group in self.param_groups:
-            if any(p is q for q in group["params"]):
-                return group
-        raise KeyError("parameter is not in this optimizer")
+            group.update({k: self.defaults[k] for k in GROUP_OPTION_NAMES})
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     def state_dict(self):
@@ -110,7 +76,7 @@ class MegatronCoatFP8AdamW(CoatFP8AdamW):
             params = list(chain.from_iterable(g["params"] for g in self.param_groups))
             for index, entry in sd["state"].items():
                 p = params[index]
-                moments = dequantize_state_entry(entry)
+                moments = to_fp32(entry)
                 sd["state"][index] = {"step": entry["step"], **{k: v.view(p.shape) for k, v in moments.items()}}
         return sd
 
@@ -124,9 +90,7 @@ class MegatronCoatFP8AdamW(CoatFP8AdamW):
                 # Megatron hands every entry the same `step` tensor, which in-place increments would share.
                 step = group_step if group_step is not None else state.get("step", 0.0)
                 state["step"] = torch.tensor(float(step), dtype=torch.float32)
-                if "exp_avg" in state or "exp_avg_q" not in state:
-                    moments = {k: state.pop(k) for k in ("exp_avg", "exp_avg_sq") if k in state}
-                    self._requantize(p, group, moments or None)
+        self.initialize_state()  # quantizes the fp32 moments of torch-format entries
 
 
 # ---- Megatron's optimizer wrappers ---------------------------------------------------------------------------------
@@ -164,10 +128,9 @@ def _swap_inner_optimizer(wrapper, coat_options):
                                 **coat_options)
     for p, state in previous.items():  # an optimizer swapped after a checkpoint load keeps its moments
         if "exp_avg" in state and p in coat.state:
-            coat.state[p]["step"] = torch.tensor(float(state.get("step", 0.0)), dtype=torch.float32)
-            coat.set_fp32_moments(p, state["exp_avg"], state["exp_avg_sq"])
+            coat.set_fp32_moments(p, state["exp_avg"], state["exp_avg_sq"], step=float(state.get("step", 0.0)))
     wrapper.optimizer = coat
-    wrapper.init_state_fn = lambda opt, config=None: opt.init_state()
+    wrapper.init_state_fn = lambda opt, config=None: opt.initialize_state()
     if distributed:
         _bind_fp32_state_accessors(wrapper)
 
@@ -226,10 +189,4 @@ def _bind_fp32_state_accessors(dist_opt):
 def optimizer_state_report(megatron_optimizer) -> dict:
     """This rank's inner optimizer state: bytes of all state tensors, elements stepped, bytes per element."""
     wrappers = getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer])
-    inners = [w.optimizer for w in wrappers if getattr(w, "optimizer", None) is not None]
-    state_bytes = sum(t.numel() * t.element_size() for opt in inners for s in opt.state.values()
-                      for t in s.values() if isinstance(t, torch.Tensor))
-    numel = sum(p.numel() for opt in inners for g in opt.param_groups for p in g["params"])
-    names = sorted({type(opt).__name__ for opt in inners})
-    return {"optimizer": "+".join(names), "state_bytes": state_bytes, "numel": numel,
-            "bytes_per_element": state_bytes / max(numel, 1)}
+    return state_report(w.optimizer for w in wrappers if getattr(w, "optimizer", None) is not None)

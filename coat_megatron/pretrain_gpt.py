@@ -18,7 +18,7 @@ from functools import partial
 
 import torch
 
-from .arguments import COAT_IMPL, install_coat_args, validate_coat_args
+from .arguments import COAT_IMPL, validate_coat_args
 
 
 def _require_megatron_training():
@@ -93,15 +93,9 @@ def forward_step(data_iterator, model):
 def coat_block_spec(config, vp_stage=None):
     from megatron.training import get_args
 
-    from coat_kernels import act_gemm
+    from .enable import enable_coat
 
-    from .layers import set_weight_generation
-    from .spec import get_gpt_decoder_block_coat_spec
-
-    # FP8 weights are re-quantized once per training iteration (and again for evaluation after it).
-    set_weight_generation(lambda: (get_args().curr_iteration, torch.is_grad_enabled()))
-    act_gemm.FPROP_FAST_ACCUM = bool(getattr(get_args(), "coat_fprop_fast_accum", False))
-    return get_gpt_decoder_block_coat_spec(config, vp_stage=vp_stage, attention=get_args().coat_attention)
+    return enable_coat().decoder_block_spec(config, get_args(), vp_stage=vp_stage)
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
@@ -156,15 +150,16 @@ def main():
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
 
-    install_coat_args()
-    _install_coat_optimizer()
+    from .enable import enable_coat
+
+    handle = enable_coat()
     _use_prebuilt_dataset_helpers()
 
     params = list(inspect.signature(pretrain).parameters)
     if params[0] != "cfg_container":  # 0.16 checkout / 0.17: pretrain parses the arguments itself
         pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
                  args_defaults=ARGS_DEFAULTS)
-        _report_memory()
+        _report_memory(handle)
         return
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -182,47 +177,21 @@ def main():
     else:  # 0.18: pretrain(cfg, datasets, model_provider, model_type, forward_step)
         pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider, model_provider,
                  ModelType.encoder_or_decoder, forward_step)
-    _report_memory()
+    _report_memory(handle)
 
 
 def _coat_spec_for_model_config(model_config, vp_stage=None):
     return coat_block_spec(model_config.transformer, vp_stage)
 
 
-_BUILT_OPTIMIZERS = []
-
-
-def _install_coat_optimizer():
-    """Wrap the get_megatron_optimizer that megatron.training calls: with --coat-optimizer its inner Adam becomes
-    CoatFP8AdamW (coat_megatron.optimizer.use_coat_optimizer); every arm keeps the optimizer for the report."""
-    from megatron.training import get_args, training
-
-    from .arguments import coat_optimizer_options
-    from .optimizer import use_coat_optimizer
-
-    original = training.get_megatron_optimizer
-    if getattr(original, "installs_coat_optimizer", False):
-        return
-
-    def get_megatron_optimizer_with_coat(*args, **kwargs):
-        optimizer = original(*args, **kwargs)
-        if get_args().coat_optimizer:
-            optimizer = use_coat_optimizer(optimizer, **coat_optimizer_options(get_args()))
-        _BUILT_OPTIMIZERS.append(optimizer)
-        return optimizer
-
-    get_megatron_optimizer_with_coat.installs_coat_optimizer = True
-    training.get_megatron_optimizer = get_megatron_optimizer_with_coat
-
-
-def _report_memory():
+def _report_memory(handle):
     from .optimizer import optimizer_state_report
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    for optimizer in _BUILT_OPTIMIZERS:
+    for optimizer in handle.optimizers:
         r = optimizer_state_report(optimizer)
         print(f"[coat_megatron] rank {rank} optimizer state: {r['optimizer']} {r['state_bytes'] / 2**20:.1f} MiB "
-              f"for {r['numel'] / 1e6:.2f}M elements ({r['bytes_per_element']:.3f} B/element)", flush=True)
+              f"for {r['stepped_numel'] / 1e6:.2f}M elements ({r['bytes_per_element']:.3f} B/element)", flush=True)
     if torch.cuda.is_available():
         print(f"[coat_megatron] rank {rank} peak memory allocated: "
               f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)

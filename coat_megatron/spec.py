@@ -3,6 +3,11 @@
 Mirrors the TransformerEngine spec: the input/pre-MLP norms are fused into linear_qkv/linear_fc1
 (CoatLayerNormColumnParallelLinear), linear_proj/linear_fc2 are CoatRowParallelLinear, the MLP is CoatMLP and the
 block's final norm is CoatNorm. Works with megatron-core 0.16 (ModuleSpec MLP) and 0.19 (MLP builder callables).
+
+Every COAT linear of a model is bound to the same ActivationConfig and CoatRuntime (scale tickets, gradient-amax
+hand-off, FP8 weight caches): pass them in (coat_megatron.enable_coat's handle does), or a fresh runtime is made.
+Megatron builds some submodules with `build_module(spec)` and calls others directly, so the binding is a ModuleSpec
+that can also be called.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
@@ -21,20 +26,38 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
+from coat_kernels.act import ActivationConfig, CoatRuntime
+
 from .attention import core_attention_class
 from .layers import CoatLayerNormColumnParallelLinear, CoatNorm, CoatRowParallelLinear
 from .mlp import CoatMLP
 
 
-def get_coat_mlp_spec():
-    submodules = MLPSubmodules(linear_fc1=CoatLayerNormColumnParallelLinear, linear_fc2=CoatRowParallelLinear)
+class CallableSpec(ModuleSpec):
+    """A ModuleSpec that Megatron can also call like a class (for submodules it instantiates directly)."""
+
+    def __call__(self, *args, **kwargs):
+        return build_module(self, *args, **kwargs)
+
+
+def _bind(layer_cls, coat_config, coat_runtime) -> CallableSpec:
+    return CallableSpec(module=layer_cls, params={"coat_config": coat_config, "coat_runtime": coat_runtime})
+
+
+def get_coat_mlp_spec(coat_config: ActivationConfig | None = None, coat_runtime: CoatRuntime | None = None):
+    coat_config, coat_runtime = coat_config or ActivationConfig(), coat_runtime or CoatRuntime()
+    submodules = MLPSubmodules(linear_fc1=_bind(CoatLayerNormColumnParallelLinear, coat_config, coat_runtime),
+                               linear_fc2=_bind(CoatRowParallelLinear, coat_config, coat_runtime))
     if hasattr(MLP, "as_mlp_submodule"):  # 0.19+: TransformerLayer calls mlp(config=, pg_collection=, ...)
         return functools.partial(CoatMLP.as_mlp_submodule, submodules=submodules)
     return ModuleSpec(module=CoatMLP, submodules=submodules)
 
 
-def get_gpt_layer_coat_spec(qk_layernorm: bool = False, attention: str = "auto") -> ModuleSpec:
+def get_gpt_layer_coat_spec(qk_layernorm: bool = False, attention: str = "auto",
+                            coat_config: ActivationConfig | None = None,
+                            coat_runtime: CoatRuntime | None = None) -> ModuleSpec:
     """A dense GPT TransformerLayer on COAT's FP8 blocks (attention core in BF16: see coat_megatron.attention)."""
+    coat_config, coat_runtime = coat_config or ActivationConfig(), coat_runtime or CoatRuntime()
     qk_norm = CoatNorm if qk_layernorm else IdentityOp
     return ModuleSpec(
         module=TransformerLayer,
@@ -43,28 +66,30 @@ def get_gpt_layer_coat_spec(qk_layernorm: bool = False, attention: str = "auto")
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
-                    linear_qkv=CoatLayerNormColumnParallelLinear,
+                    linear_qkv=_bind(CoatLayerNormColumnParallelLinear, coat_config, coat_runtime),
                     core_attention=core_attention_class(attention),
-                    linear_proj=CoatRowParallelLinear,
+                    linear_proj=_bind(CoatRowParallelLinear, coat_config, coat_runtime),
                     q_layernorm=qk_norm,
                     k_layernorm=qk_norm,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            mlp=get_coat_mlp_spec(),
+            mlp=get_coat_mlp_spec(coat_config, coat_runtime),
             mlp_bda=get_bias_dropout_add,
         ),
     )
 
 
 def get_gpt_decoder_block_coat_spec(config, vp_stage=None, pp_rank=None, qk_layernorm=None,
-                                    attention: str = "auto") -> TransformerBlockSubmodules:
+                                    attention: str = "auto", coat_config: ActivationConfig | None = None,
+                                    coat_runtime: CoatRuntime | None = None) -> TransformerBlockSubmodules:
     """This pipeline stage's COAT layers plus CoatNorm as the final norm."""
     if config.num_moe_experts:
         raise NotImplementedError("the COAT spec covers dense GPT layers; MoE is not supported")
     if qk_layernorm is None:
         qk_layernorm = config.qk_layernorm
-    layer = get_gpt_layer_coat_spec(qk_layernorm=qk_layernorm, attention=attention)
+    layer = get_gpt_layer_coat_spec(qk_layernorm=qk_layernorm, attention=attention, coat_config=coat_config,
+                                    coat_runtime=coat_runtime or CoatRuntime())
     layer_specs = [layer] * config.num_layers
     layout = getattr(config, "pipeline_model_parallel_layout", None)
     if layout is not None:

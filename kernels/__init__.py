@@ -1,7 +1,9 @@
-"""coat_kernels: the FP8 numerics shared by coat_ds and coat_megatron.
+"""coat_kernels: the FP8 core shared by coat_ds (DeepSpeed) and coat_megatron (Megatron-core).
 
-Optimizer states: formats (E4M3/E5M2), grouping (segments -> groups of 128), dre_reference (torch reference of
-quantization with Dynamic Range Expansion and of the fused AdamW step), dre_triton (the Triton twins, bit-identical),
-portable_math (log2/exp2 identical in torch and Triton), triton_fp8 (fp32 -> FP8 casts).
-Activations: act_* kernels and the autograd blocks in `blocks` (see docs/activations.md).
+- `coat_kernels.optim`: CoatFP8AdamW (engine-agnostic), its options, state and quantizers (FP8 moments with
+  per-group Dynamic Range Expansion);
+- `coat_kernels.act`: FP8 activations: modules, autograd blocks and kernels;
+- shared: `formats` (E4M3/E5M2), `portable_math` (log2/exp2/fma identical in torch and Triton), `triton_fp8`
+  (fp32 -> FP8 casts in Triton).
+Every Triton kernel has a torch reference of the same math: the CPU path and the test oracle.
 """

@@ -5,12 +5,10 @@ torch's cast, saturating out-of-range values and infinities to +-max like a clam
 because the interpreter's own fp32->fp8 cast mis-rounds values whose mantissa carries into the exponent
 (-127.76 -> -64); its NaN -> e4m3 gives 384 instead of NaN. Both paths give torch's codes for finite inputs.
 """
-import os
-
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = bool(triton.knobs.runtime.interpret)  # TRITON_INTERPRET=1, as Triton itself reads it
 _INTERPRET: tl.constexpr = tl.constexpr(INTERPRET)
 
 
@@ -26,7 +24,8 @@ def round_to_fp8_grid(y, MANTISSA_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constex
     r = ((a * inv_step + 12582912.0) - 12582912.0) * step
     r = tl.minimum(r, FP8_MAX)
     r = tl.where(a != a, a, r)  # keep NaN
-    return tl.where(y < 0, -r, r)
+    # y's sign bit on the magnitude: a negative value that rounds to zero gives -0, as the hardware cast does
+    return (r.to(tl.int32, bitcast=True) | (y.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

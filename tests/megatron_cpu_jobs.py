@@ -252,6 +252,7 @@ def worker(rank, world, out_dir, port):
     res["spec"] = {name: type(m).__name__ for name, m in coat_tp1.named_modules()
                    if name.startswith("decoder.layers.0.") and name.count(".") == 4 or name == "decoder.final_layernorm"}
     res["param_names"] = sorted(n for n, _ in coat_tp1.named_parameters() if n.startswith("decoder.layers.0."))
+    res["runtimes"] = len({id(m.coat_runtime) for m in coat_tp1.modules() if hasattr(m, "coat_runtime")})
     res["data_update"] = weights_written_through_data(coat_tp1)
     res["saved"] = saved_tensor_census(coat_tp1)
     res["saved_local"] = saved_tensor_census_local()

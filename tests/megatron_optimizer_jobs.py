@@ -135,9 +135,8 @@ class LockstepReference:
     same gradients, segments and hyper-parameters, and compares params, FP8 codes and metadata bit for bit."""
 
     def __init__(self, coat):
-        from coat_ds import CoatFP8AdamW
-
-        from coat_megatron.optimizer import COAT_OPTION_KEYS
+        from coat_kernels.optim import CoatFP8AdamW
+        from coat_kernels.optim.config import GROUP_OPTION_NAMES
 
         self.coat, self.mismatches, self.steps = coat, [], 0
         self.copies = [p.detach().clone() for p in self._params()]
@@ -145,7 +144,7 @@ class LockstepReference:
         for g in coat.param_groups:
             groups.append({"params": self.copies[i:i + len(g["params"])]})
             i += len(g["params"])
-        self.reference = CoatFP8AdamW(groups, lr=LR, **{k: coat.defaults[k] for k in COAT_OPTION_KEYS})
+        self.reference = CoatFP8AdamW(groups, lr=LR, **{k: coat.defaults[k] for k in GROUP_OPTION_NAMES})
         for copy, p in zip(self.copies, self._params()):
             self.reference.state[copy]["segments"] = coat.state[p]["segments"].clone()
         real_step = coat.step

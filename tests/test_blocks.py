@@ -1,18 +1,31 @@
-"""COAT's FP8 layer blocks (coat_kernels.blocks): outputs and gradients against an fp32 computation within the
+"""COAT's FP8 layer blocks (coat_kernels.act): outputs and gradients against an fp32 computation within the
 bounds docs/activations.md documents, what they save for backward (counted by dtype through saved_tensors_hooks),
 odd shapes, Inf/NaN, the weight cache, and a small model trained with them tracking its BF16 twin.
 
 Both backends run: "torch" (the CPU path) and "triton" (the Triton kernels under TRITON_INTERPRET=1)."""
+import functools
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from coat_kernels import blocks
+import coat_kernels.act as act
+from coat_kernels.act import ActivationConfig, CoatRuntime
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)
 BACKENDS = ["torch", "triton"]
+
+
+class _Blocks:
+    """The functional API with the backend of the running test (set by the `backend` fixture)."""
+    backend = "torch"
+
+    def __getattr__(self, name):
+        return functools.partial(getattr(act, name), config=ActivationConfig(backend=self.backend))
+
+
+blocks = _Blocks()
 # relative L2 error bounds against fp32 (measured ~0.03 / 0.06 / 0.07 on these shapes; documented in
 # docs/activations.md): forward E4M3 x E4M3, gradients E5M2 x E4M3
 FWD_BOUND, GRAD_BOUND = 0.08, 0.15
@@ -20,7 +33,7 @@ FWD_BOUND, GRAD_BOUND = 0.08, 0.15
 
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
-    monkeypatch.setenv("COAT_ACT_BACKEND", request.param)
+    monkeypatch.setattr(_Blocks, "backend", request.param)
     return request.param
 
 
@@ -231,8 +244,9 @@ def test_fp8_norm_swiglu_mlp_with_one_trainable_input(backend, trainable):
     assert all(t.grad is None for j, t in enumerate(part) if j != i)
 
 
-@pytest.mark.parametrize("name,fn,ref", [("gelu", blocks.fp8_gelu, F.gelu), ("silu", blocks.fp8_silu, F.silu)])
-def test_pointwise_blocks(backend, name, fn, ref):
+@pytest.mark.parametrize("name,ref", [("gelu", F.gelu), ("silu", F.silu)])
+def test_pointwise_blocks(backend, name, ref):
+    fn = getattr(blocks, "fp8_" + name)
     torch.manual_seed(5)
     x, dy = torch.randn(7, 32), torch.randn(7, 32)
     a = leaves(x.bfloat16())
@@ -267,18 +281,21 @@ def test_inf_nan_propagate(backend):
     assert int(blocks.fp8_gelu(g).isnan().sum()) == 16
 
 
-def test_weight_cache_quantizes_once_per_step(backend, monkeypatch):
-    from coat_kernels import act_quant
+def test_weight_cache_quantizes_once_per_optimizer_step(backend, monkeypatch):
+    from coat_kernels.act import weights
 
     torch.manual_seed(6)
     w = (torch.randn(32, 64) / 8).bfloat16().requires_grad_()
-    cache = blocks.WeightCache()
+    runtime = CoatRuntime()
+    opt = torch.optim.SGD([w], lr=0.01)
+    runtime.attach_optimizer(opt)
+    cache = runtime.new_weight_cache()
     calls = []
-    real = act_quant.tensor_scale
-    monkeypatch.setattr(act_quant, "tensor_scale", lambda t, *a, **k: calls.append(t.shape) or real(t, *a, **k))
+    real = weights.tensor_scale
+    monkeypatch.setattr(weights, "tensor_scale", lambda t, *a, **k: calls.append(t.shape) or real(t, *a, **k))
     xs = [torch.randn(16, 64).bfloat16() for _ in range(3)]
     for x in xs:  # three micro-batches
-        blocks.fp8_linear(x, w, weight_cache=cache).sum().backward()
+        blocks.fp8_linear(x, w, runtime=runtime, weight_cache=cache).sum().backward()
     assert calls.count((32, 64)) == 1
     g_cached = w.grad.clone()
     w.grad = None
@@ -286,22 +303,41 @@ def test_weight_cache_quantizes_once_per_step(backend, monkeypatch):
         blocks.fp8_linear(x, w).sum().backward()
     assert torch.equal(w.grad, g_cached)
     with torch.no_grad():
-        w.add_(0.01)  # the optimizer's in-place step bumps _version
-    y1 = blocks.fp8_linear(xs[0], w, weight_cache=cache)
+        w.data.add_(0.01)  # written the way engines write (no version bump): the cache does not see it ...
+    blocks.fp8_linear(xs[0], w, runtime=runtime, weight_cache=cache)
+    assert calls.count((32, 64)) == 1
+    opt.step()  # ... but the optimizer step ticks the clock
+    y1 = blocks.fp8_linear(xs[0], w, runtime=runtime, weight_cache=cache)
     assert calls.count((32, 64)) == 2  # re-quantized once after the step
     assert torch.equal(y1, blocks.fp8_linear(xs[0], w))
-    # pipelined micro-batches: another forward refills the cache before this backward (Megatron invalidates it
-    # per forward when it cannot tell weight generations apart); the backward still uses its own quantization
+    # a later micro-batch's forward refills the cache before this backward: the backward still uses its own
+    # quantization (the forward's scale)
     w.grad = None
     x0 = xs[0].clone().requires_grad_()
-    y1 = blocks.fp8_linear(x0, w, weight_cache=cache)
-    cache.invalidate()
-    blocks.fp8_linear(xs[1], w, weight_cache=cache)
+    y1 = blocks.fp8_linear(x0, w, runtime=runtime, weight_cache=cache)
+    runtime.clock.tick()
+    blocks.fp8_linear(xs[1], w, runtime=runtime, weight_cache=cache)
     y1.sum().backward()
     grads = (w.grad.clone(), x0.grad.clone())
     w.grad = x0.grad = None
     blocks.fp8_linear(x0, w).sum().backward()
     assert torch.equal(grads[0], w.grad) and torch.equal(grads[1], x0.grad)
+
+
+def test_weights_are_requantized_every_forward_without_an_attached_optimizer(monkeypatch):
+    from coat_kernels.act import weights
+
+    runtime = CoatRuntime()  # no optimizer attached: a cache would never learn that weights changed
+    cache = runtime.new_weight_cache()
+    w = (torch.randn(32, 64) / 8).bfloat16()
+    x = torch.randn(16, 64).bfloat16()
+    with pytest.warns(RuntimeWarning, match="attach_optimizer"):
+        y0 = blocks.fp8_linear(x, w, runtime=runtime, weight_cache=cache)
+    w.data.mul_(2.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per runtime
+        y1 = blocks.fp8_linear(x, w, runtime=runtime, weight_cache=cache)
+    assert torch.allclose(y1.float(), 2 * y0.float(), rtol=0.02) and cache.w8 is None
 
 
 class TinyLlama(torch.nn.Module):
@@ -355,8 +391,7 @@ def train(coat, steps=200):
     return losses
 
 
-def test_small_model_trained_with_fp8_blocks_tracks_bf16(monkeypatch):
-    monkeypatch.setenv("COAT_ACT_BACKEND", "torch")
+def test_small_model_trained_with_fp8_blocks_tracks_bf16():
     bf16, coat = train(False), train(True)
     tail_bf16, tail_coat = sum(bf16[-40:]) / 40, sum(coat[-40:]) / 40
     assert tail_bf16 < 0.5 * bf16[0]  # the task is learned
@@ -364,10 +399,8 @@ def test_small_model_trained_with_fp8_blocks_tracks_bf16(monkeypatch):
 
 
 def test_fprop_fast_accumulation_reaches_only_the_forward_gemms(monkeypatch):
-    """fprop_fast_accumulation() asks _scaled_mm for fast accumulation in forward GEMMs only (dgrad and wgrad keep
-    fp32 promotion), and restores the previous setting on exit."""
-    from coat_kernels import act_gemm
-
+    """ActivationConfig(fprop_fast_accum=True) asks _scaled_mm for fast accumulation in forward GEMMs only (dgrad
+    and wgrad keep fp32 promotion)."""
     calls = []
     real = torch._scaled_mm
 
@@ -379,10 +412,17 @@ def test_fprop_fast_accumulation_reaches_only_the_forward_gemms(monkeypatch):
     torch.manual_seed(0)
     x = torch.randn(32, 64).bfloat16().requires_grad_()
     w = (torch.randn(48, 64) / 8).bfloat16().requires_grad_()
-    with act_gemm.fprop_fast_accumulation():
-        y = blocks.fp8_linear(x, w)
-    y.float().sum().backward()
-    assert calls == [True, False, False] and act_gemm.FPROP_FAST_ACCUM is False
+    act.fp8_linear(x, w, config=ActivationConfig(fprop_fast_accum=True)).float().sum().backward()
+    assert calls == [True, False, False]
     calls.clear()
-    blocks.fp8_linear(x, w).float().sum().backward()
+    act.fp8_linear(x, w).float().sum().backward()
     assert calls == [False, False, False]
+
+
+def test_activation_config_is_strict():
+    with pytest.raises(ValueError, match="backend"):
+        ActivationConfig(backend="cuda")
+    with pytest.raises(TypeError, match="cache_weights"):
+        ActivationConfig(cache_weights="false")
+    with pytest.raises(ValueError, match="valid: backend, fprop_fast_accum, cache_weights"):
+        ActivationConfig.from_options({"fp8_activations": True})

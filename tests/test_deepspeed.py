@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-pytest.importorskip("deepspeed")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import ds_helpers as H  # noqa: E402

@@ -7,10 +7,10 @@ import warnings
 import pytest
 import torch
 
-from coat_kernels import dre_reference as ref
-from coat_kernels import dre_triton as tri
+from coat_kernels.optim import dre_reference as ref
+from coat_kernels.optim import dre_triton as tri
 from coat_kernels import portable_math as pm
-from coat_kernels.grouping import build_layout
+from coat_kernels.optim.grouping import build_layout
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy's log2(0) inside the interpreter
 G = 128
@@ -172,7 +172,7 @@ import sys
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from coat_kernels import dre_reference as ref, dre_triton as tri
+from coat_kernels.optim import dre_reference as ref, dre_triton as tri
 
 kernel = tri._fused_adamw_gluon
 groups_per_row, threads_per_group = tri.launch_shape(128)

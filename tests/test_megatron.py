@@ -11,8 +11,6 @@ import sys
 import pytest
 from rank_jobs import run_job
 
-pytest.importorskip("megatron.core")
-pytest.importorskip("coat_kernels.blocks", reason="the shared FP8 blocks (issue 4) are not in this checkout yet")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # FP8 (E4M3 activations/weights, E5M2 gradients) against BF16 on a tiny 2-layer GPT.
@@ -35,6 +33,7 @@ def test_spec_builds_te_shaped_modules(job):
     assert spec[prefix + "mlp.linear_fc2"] == "CoatRowParallelLinear"
     assert spec["decoder.final_layernorm"] == "CoatNorm"
     # TE parameter names: a checkpoint moves between TE and COAT runs.
+    assert job[0]["runtimes"] == 1  # every COAT layer of the model shares one CoatRuntime
     assert job[0]["param_names"] == sorted(prefix + n for n in (
         "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.weight",
         "self_attention.linear_proj.weight", "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight",
@@ -143,3 +142,22 @@ def test_launcher_without_megatron_training_says_what_is_missing():
                           capture_output=True, text=True, timeout=120, cwd=os.path.dirname(HERE))
     assert proc.returncode != 0
     assert "megatron.training ships in the megatron-core wheel from 0.17.0 on" in proc.stderr
+
+
+def test_enable_coat_handle_ticks_the_weight_clock_after_inner_steps():
+    """The handle attaches the runtime's clock to every inner optimizer of a (chained) Megatron optimizer."""
+    import torch
+    from types import SimpleNamespace
+
+    from coat_megatron.enable import CoatMegatron
+
+    handle = CoatMegatron()
+    params = [torch.nn.Parameter(torch.randn(4))]
+    inner = [torch.optim.SGD(params, lr=0.1), torch.optim.SGD([torch.nn.Parameter(torch.randn(4))], lr=0.1)]
+    handle.attach(SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=o) for o in inner]))
+    assert handle.runtime.clock.attached and handle.runtime.clock.count == 0
+    inner[0].step()
+    inner[1].step()
+    assert handle.runtime.clock.count == 2
+    config = handle.activation_config(SimpleNamespace(coat_fprop_fast_accum=True))
+    assert config.fprop_fast_accum and config.cache_weights

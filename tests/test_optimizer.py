@@ -5,9 +5,10 @@ import warnings
 import pytest
 import torch
 
-from coat_ds import CoatFP8AdamW, dequantize_state_entry
-from coat_kernels import dre_reference as ref
-from coat_kernels.grouping import build_layout
+from coat_ds import CoatFP8AdamW
+from coat_kernels.optim import to_fp32
+from coat_kernels.optim import dre_reference as ref
+from coat_kernels.optim.grouping import build_layout
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)
 
@@ -60,10 +61,12 @@ def test_triton_backend_matches_reference_bit_for_bit():
     train(a, opt_a, 4)
     train(b, opt_b, 4)
     for p, q in zip(a.parameters(), b.parameters()):
-        assert torch.equal(p, q)
+        assert torch.equal(p.view(torch.int32), q.view(torch.int32))
         sa, sb = opt_a.state[p], opt_b.state[q]
-        assert codes_equal(sa["exp_avg_q"], sb["exp_avg_q"]) or torch.equal(sa["exp_avg_q"].float(), sb["exp_avg_q"].float())
-        assert torch.equal(sa["exp_avg_sq_meta"], sb["exp_avg_sq_meta"])
+        for key in ("exp_avg_q", "exp_avg_sq_q"):
+            assert codes_equal(sa[key], sb[key]), key
+        for key in ("exp_avg_meta", "exp_avg_sq_meta"):
+            assert torch.equal(sa[key].view(torch.int32), sb[key].view(torch.int32)), key
 
 
 def test_kernel_follows_state_tensors_that_move():
@@ -139,7 +142,7 @@ def test_fp32_moments_in_state_are_quantized_at_the_next_step():
     ref.fused_adamw_step(expected, p.grad.view(-1), mq, mm, vq, vm, layout,
                          ref.AdamWScalars.make(1e-3, 0.9, 0.999, 1e-8, 1e-2, 6), cfg, cfg)
     assert torch.equal(p.detach().view(-1), expected)
-    deq = dequantize_state_entry(opt.state[p])
+    deq = to_fp32(opt.state[p])
     assert deq["exp_avg"].shape == (p.numel(),) and torch.isfinite(deq["exp_avg_sq"]).all()
 
 
@@ -176,7 +179,14 @@ def test_nonfinite_error_mode_raises_after_leaving_state_clean():
     (dict(amsgrad=True), ValueError, "amsgrad"),
     (dict(maximize=True), ValueError, "maximize"),
     (dict(max_grad_norm=1.0), ValueError, "valid options: lr, betas"),
-    (dict(exp_avg_format="e3m4"), ValueError, "unknown FP8 format"),
+    (dict(exp_avg_format="e3m4"), ValueError, "exp_avg_format must be one of"),
+    (dict(expand_exp_avg="false"), TypeError, "expand_exp_avg must be a bool"),
+    (dict(expand_exp_avg_sq=0), TypeError, "expand_exp_avg_sq must be a bool"),
+    (dict(group_size=128.0), TypeError, "group_size must be an integer"),
+    (dict(group_size=True), TypeError, "group_size must be an integer"),
+    (dict(expand_min="16"), TypeError, "expand_min must be an integer"),
+    (dict(k_max="8"), TypeError, "k_max must be a number"),
+    (dict(backend="cuda"), ValueError, "backend must be one of"),
     (dict(group_size=0), ValueError, "group_size"),
     (dict(k_max=0.5), ValueError, "k_max"),
     (dict(betas=(0.9, 1.0)), ValueError, "hyper-parameters"),
@@ -185,6 +195,63 @@ def test_nonfinite_error_mode_raises_after_leaving_state_clean():
 def test_bad_options_raise_clear_errors(kwargs, error, match):
     with pytest.raises(error, match=match):
         CoatFP8AdamW([torch.nn.Parameter(torch.randn(4))], **kwargs)
+
+
+def test_unknown_option_error_lists_only_valid_options():
+    with pytest.raises(ValueError) as info:
+        CoatFP8AdamW([torch.nn.Parameter(torch.randn(4))], max_grad_norm=1.0)
+    valid = str(info.value).split("valid options: ")[1]
+    assert "group_size" in valid and "lr" in valid
+    assert not any(rejected in valid for rejected in ("amsgrad", "maximize", "capturable", "differentiable"))
+
+
+def test_options_changed_in_param_groups_are_validated_or_refused():
+    """A group's COAT options may be edited between steps like lr: invalid values fail at the next step, and a
+    format or group size that the stored codes do not have is refused instead of silently misread."""
+    p = torch.nn.Parameter(torch.randn(300))
+    opt = CoatFP8AdamW([p], lr=1e-2)
+    p.grad = torch.randn(300)
+    opt.step()
+    for key, value, error, match in (("expand_exp_avg", "false", TypeError, "bool"),
+                                     ("group_size", 64.0, TypeError, "integer"),
+                                     ("exp_avg_sq_format", "e5m2", RuntimeError, "stored as"),
+                                     ("group_size", 64, RuntimeError, "groups of 128"),
+                                     ("betas", (0.9, 1.0), ValueError, "hyper-parameters")):
+        before = opt.param_groups[0][key]
+        opt.param_groups[0][key] = value
+        with pytest.raises(error, match=match):
+            opt.step()
+        opt.param_groups[0][key] = before
+    opt.step()  # back to valid options: steps again
+    assert float(opt.state[p]["step"]) == 2
+
+
+def test_format_change_through_fp32_moments():
+    p = torch.nn.Parameter(torch.randn(300))
+    opt = CoatFP8AdamW([p], lr=1e-2)
+    p.grad = torch.randn(300)
+    opt.step()
+    moments = opt.fp32_moments(p)
+    opt.state[p].clear()
+    opt.param_groups[0]["exp_avg_sq_format"] = "e5m2"
+    opt.set_fp32_moments(p, moments["exp_avg"], moments["exp_avg_sq"], step=1)
+    assert opt.state[p]["exp_avg_sq_q"].dtype == torch.float8_e5m2
+    opt.step()
+
+
+def test_deepcopy_and_pickle_then_step():
+    import pickle
+
+    model = mlp(hidden=48)
+    opt = CoatFP8AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, 2)
+    for clone in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        params = [p for g in clone.param_groups for p in g["params"]]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        clone.step()
+        assert all(float(clone.state[p]["step"]) == 3 for p in params)
+    assert all(float(s["step"]) == 2 for s in opt.state.values())
 
 
 def test_bad_tensors_raise_clear_errors():

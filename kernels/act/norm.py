@@ -15,8 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
-from . import act_quant as aq
-from .formats import E4M3, E5M2
+from ..formats import E4M3, E5M2
+from .group_quant import (SCALE_DTYPE, amax_partials_reference, group_dequantize_reference,
+                          group_quantize_reference)
+from .scaling import ScaleTickets, StageOneAmax, stage_two_args, store_partial
+from .tensor_quant import cast_reference
+from .tiles import (GROUP, check_group_dim, group_tile, load_group_tile, nanmax, pad16, quantize_group_tile,
+                    store_cast_groups, tile_amax)
 
 
 @triton.jit
@@ -53,17 +58,17 @@ def _row_stat(ptr, rows, M):
 def _norm_fwd_kernel(x_ptr, res_ptr, h_ptr, q_ptr, e_ptr, mean_ptr, rstd_ptr, partial_ptr, w_ptr, b_ptr,
                      M, H, eps, IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
                      ZERO_CENTERED: tl.constexpr, BM: tl.constexpr, G: tl.constexpr,
-                     DEQ_CODES: tl.constexpr, ticket_ptr, scale_ptr, NP, FP8_MAX: tl.constexpr, FINAL: tl.constexpr):
+                     ticket_ptr, scale_ptr, NP, FP8_MAX: tl.constexpr, FINAL: tl.constexpr):
     pid = tl.program_id(0)
     rows = (pid * BM + tl.arange(0, BM)).to(tl.int64)
-    offs, eoffs, mask = aq.group_tile(rows, 0, M, H, H // 16, G)
+    offs, eoffs, mask = group_tile(rows, 0, M, H, H // 16, G)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         x = x + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         h = x.to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + offs, h, mask=mask)
         x = h.to(tl.float32)
-    q, e, xd = aq.quantize_groups3(x, 448.0, False, DEQ_CODES)
+    q, e, xd = quantize_group_tile(x, 448.0, False)
     tl.store(q_ptr + offs, q, mask=mask)
     tl.store(e_ptr + eoffs, e.to(tl.bfloat16), mask=mask)
     if IS_RMS:
@@ -78,20 +83,19 @@ def _norm_fwd_kernel(x_ptr, res_ptr, h_ptr, q_ptr, e_ptr, mean_ptr, rstd_ptr, pa
     tl.store(rstd_ptr + rows[None, :, None], rstd, mask=rows[None, :, None] < M)
     w, b = _load_gamma(w_ptr, b_ptr, 0, H, G, HAS_BIAS, ZERO_CENTERED)
     y = _normalize(xd, mean, rstd, w, b, mask, IS_RMS, HAS_BIAS)
-    aq.store_partial(partial_ptr, pid, aq.tile_amax(y, mask), NP, ticket_ptr, scale_ptr, FP8_MAX, FINAL)
+    store_partial(partial_ptr, pid, tile_amax(y, mask), NP, ticket_ptr, scale_ptr, FP8_MAX, FINAL)
 
 
 @triton.jit
 def _norm_cast_kernel(q_ptr, e_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, scale_ptr, out_ptr, out_t_ptr, M, H, M_PAD,
                       IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                      WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr, BM: tl.constexpr, G: tl.constexpr,
-                      T_MODE: tl.constexpr):
+                      WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr, BM: tl.constexpr, G: tl.constexpr):
     pid = tl.program_id(0)  # flat grid, group blocks fastest
     n_g = tl.cdiv(H // 16, G)
     g0 = (pid % n_g) * G
     rows = ((pid // n_g) * BM + tl.arange(0, BM)).to(tl.int64)
-    offs, eoffs, mask = aq.group_tile(rows, g0, M, H, H // 16, G)
-    xd = aq.load_groups(q_ptr, e_ptr, offs, eoffs, mask)
+    offs, eoffs, mask = group_tile(rows, g0, M, H, H // 16, G)
+    xd = load_group_tile(q_ptr, e_ptr, offs, eoffs, mask)
     rstd = _row_stat(rstd_ptr, rows, M)
     if IS_RMS:
         mean = rstd
@@ -99,8 +103,8 @@ def _norm_cast_kernel(q_ptr, e_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, scale_ptr,
         mean = _row_stat(mean_ptr, rows, M)
     w, b = _load_gamma(w_ptr, b_ptr, g0, H, G, HAS_BIAS, ZERO_CENTERED)
     y = _normalize(xd, mean, rstd, w, b, mask, IS_RMS, HAS_BIAS)
-    aq.store_cast3(y, rows, g0, tl.load(scale_ptr), out_ptr, out_t_ptr, M, H, M_PAD, G, WRITE_ROW, WRITE_T, False,
-                   T_MODE)
+    store_cast_groups(y, rows, g0, tl.load(scale_ptr), out_ptr, out_t_ptr, M, H, M_PAD, G, WRITE_ROW, WRITE_T, False,
+                      False)
 
 
 @triton.jit
@@ -145,7 +149,7 @@ def _norm_bwd_kernel(q_ptr, e_ptr, mean_ptr, rstd_ptr, w_ptr, dy_ptr, dres_ptr, 
         dx = dx.to(dx_ptr.dtype.element_ty)
         tl.store(dx_ptr + base + cols, dx, mask=mask)
         if WRITE_PARTIAL:  # stage 1 of the E5M2 quantization of dx by the next GEMM's backward (masked lanes: 0)
-            amax = aq.nanmax(amax, tl.abs(dx.to(tl.float32)))
+            amax = nanmax(amax, tl.abs(dx.to(tl.float32)))
         dw += dy * xhat
         if HAS_BIAS:
             db += dy
@@ -153,8 +157,8 @@ def _norm_bwd_kernel(q_ptr, e_ptr, mean_ptr, rstd_ptr, w_ptr, dy_ptr, dres_ptr, 
     if HAS_BIAS:
         tl.store(db_ptr + pid.to(tl.int64) * H + cols, db, mask=gmask)
     if WRITE_PARTIAL:
-        m = tl.reduce(amax, None, aq.nanmax)
-        aq.store_partial(partial_ptr, pid, tl.where(m == float("inf"), float("nan"), m), NP, ticket_ptr, scale_ptr,
+        m = tl.reduce(amax, None, nanmax)
+        store_partial(partial_ptr, pid, tl.where(m == float("inf"), float("nan"), m), NP, ticket_ptr, scale_ptr,
                          FP8_MAX, FINAL)
 
 
@@ -164,36 +168,36 @@ def _gamma(weight, bias, zero_centered):
     return w, (bias.float() if bias is not None else None)
 
 
-def _stats_ref(xd, is_rms, eps):
+def _stats_reference(xd, is_rms, eps):
     if is_rms:
         return None, 1.0 / torch.sqrt((xd * xd).mean(-1) + eps)
     mean = xd.mean(-1)
     return mean, 1.0 / torch.sqrt(((xd - mean[:, None]) ** 2).mean(-1) + eps)
 
 
-def _normalize_ref(xd, mean, rstd, weight, bias, zero_centered):
+def _normalize_reference(xd, mean, rstd, weight, bias, zero_centered):
     w, b = _gamma(weight, bias, zero_centered)
     xhat = xd * rstd[:, None] if mean is None else (xd - mean[:, None]) * rstd[:, None]
     y = xhat * w
     return y + b if b is not None else y
 
 
-def norm_forward_ref(x, weight, bias, residual, is_rms, eps, zero_centered):
+def norm_forward_reference(x, weight, bias, residual, is_rms, eps, zero_centered):
     h = (x + residual) if residual is not None else None
-    q, e = aq.group_quantize_ref(h if h is not None else x, E4M3)
-    xd = aq.group_dequantize_ref(q, e, torch.float32)
-    mean, rstd = _stats_ref(xd, is_rms, eps)
-    y = _normalize_ref(xd, mean, rstd, weight, bias, zero_centered)
-    return h, q, e, mean, rstd, aq.tensor_amax_partials_ref(y)
+    q, e = group_quantize_reference(h if h is not None else x, E4M3)
+    xd = group_dequantize_reference(q, e, torch.float32)
+    mean, rstd = _stats_reference(xd, is_rms, eps)
+    y = _normalize_reference(xd, mean, rstd, weight, bias, zero_centered)
+    return h, q, e, mean, rstd, amax_partials_reference(y)
 
 
-def norm_output_ref(q, e, mean, rstd, weight, bias, zero_centered):
+def norm_output_reference(q, e, mean, rstd, weight, bias, zero_centered):
     """fp32 normalized output recomputed from the FP8 copy (what the GEMM input is quantized from)."""
-    return _normalize_ref(aq.group_dequantize_ref(q, e, torch.float32), mean, rstd, weight, bias, zero_centered)
+    return _normalize_reference(group_dequantize_reference(q, e, torch.float32), mean, rstd, weight, bias, zero_centered)
 
 
-def norm_backward_ref(q, e, mean, rstd, weight, dy, dres, has_bias, zero_centered):
-    xd = aq.group_dequantize_ref(q, e, torch.float32)
+def norm_backward_reference(q, e, mean, rstd, weight, dy, dres, has_bias, zero_centered):
+    xd = group_dequantize_reference(q, e, torch.float32)
     w, _ = _gamma(weight, None, zero_centered)
     xhat = xd * rstd[:, None] if mean is None else (xd - mean[:, None]) * rstd[:, None]
     g = dy.float() * w
@@ -218,59 +222,65 @@ def _warps(bh):  # one 1x16 group per thread for H >= 512 (H = 4096: 8 warps)
     return max(1, min(8, bh // 512))
 
 
-def norm_forward(x2d, weight, bias=None, *, residual=None, kind="rmsnorm", eps=1e-5, zero_centered=False,
-                 triton_kernels=None):
-    """x2d [M, H] (+ residual) -> (h | None, q fp8 [M, H], e bf16 [M, H/16], mean | None, rstd, partial amax)."""
+def norm_forward(x2d, weight, bias, use_triton: bool, *, residual=None, kind="rmsnorm", eps=1e-5,
+                 zero_centered=False, tickets: ScaleTickets | None = None):
+    """x2d [M, H] (+ residual) -> (h | None, codes fp8 [M, H], scales bf16 [M, H/16], mean | None, rstd,
+    StageOneAmax of the normalized output with its E4M3 scale)."""
     if kind not in ("rmsnorm", "layernorm"):
         raise ValueError(f"norm must be 'rmsnorm' or 'layernorm', got {kind!r}")
     is_rms = kind == "rmsnorm"
     m, h = x2d.shape
-    aq.check_group_dim(h, "hidden size")
-    if not (aq.use_triton(x2d) if triton_kernels is None else triton_kernels):
-        return norm_forward_ref(x2d, weight, bias, residual, is_rms, eps, zero_centered)
+    check_group_dim(h, "hidden size")
+    if not use_triton:
+        hsum, q, e, mean, rstd, partials = norm_forward_reference(x2d, weight, bias, residual, is_rms, eps,
+                                                                  zero_centered)
+        return hsum, q, e, mean, rstd, StageOneAmax(partials)
     dev = x2d.device
     x2d = x2d.contiguous()
     hsum = torch.empty_like(x2d) if residual is not None else None
     q = torch.empty(m, h, dtype=E4M3.dtype, device=dev)
-    e = torch.empty(m, h // aq.GROUP, dtype=aq.SCALE_DTYPE, device=dev)
+    e = torch.empty(m, h // GROUP, dtype=SCALE_DTYPE, device=dev)
     mean = None if is_rms else torch.empty(m, dtype=torch.float32, device=dev)
     rstd = torch.empty(m, dtype=torch.float32, device=dev)
     bh = triton.next_power_of_2(h)
     bm = _rows_per_program(bh)
     grid = (triton.cdiv(m, bm),)
-    partial = (torch.empty if m else torch.zeros)(max(grid[0], 1), dtype=torch.float32, device=dev)
+    partials = (torch.empty if m else torch.zeros)(max(grid[0], 1), dtype=torch.float32, device=dev)
+    kwargs, amax = stage_two_args(partials, E4M3, tickets)
     if m:
         _norm_fwd_kernel[grid](x2d, residual.contiguous() if residual is not None else None, hsum, q, e, mean, rstd,
-                               partial, weight, bias, m, h, eps, IS_RMS=is_rms, HAS_RES=residual is not None,
-                               HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered, BM=bm, G=bh // aq.GROUP,
-                               DEQ_CODES=aq.DEQ_CODES, num_warps=_warps(bh), **aq.partial_kwargs(partial, E4M3))
-    return hsum, q, e, mean, rstd, partial
+                               partials, weight, bias, m, h, eps, IS_RMS=is_rms, HAS_RES=residual is not None,
+                               HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered, BM=bm, G=bh // GROUP,
+                               num_warps=_warps(bh), **kwargs)
+    else:
+        amax = StageOneAmax(partials)
+    return hsum, q, e, mean, rstd, amax
 
 
 # (rows, groups, warps) per program, one 1x16 group per thread; transposed output: taller tiles (32-byte runs)
-ROW_TILE, T_TILE, T_MODE = (16, 16, 8), (32, 8, 8), 1  # T_MODE: aq.store_cast3
+ROW_TILE, T_TILE = (16, 16, 8), (32, 8, 8)
 
 
-def norm_cast(q, e, mean, rstd, weight, bias, scale, *, zero_centered=False, write_row=True, write_t=False,
-              triton_kernels=None):
+def norm_cast(q, e, mean, rstd, weight, bias, scale, use_triton: bool, *, zero_centered=False, write_row=True,
+              write_t=False):
     """Per-tensor E4M3 of the normalized output, recomputed from the FP8 copy: (y8 [M, H] | None, y8_t | None)."""
-    if not (aq.use_triton(q) if triton_kernels is None else triton_kernels):
-        y = norm_output_ref(q, e, mean, rstd, weight, bias, zero_centered)
-        return aq.cast_ref(y, scale, E4M3, write_row, write_t)
+    if not use_triton:
+        y = norm_output_reference(q, e, mean, rstd, weight, bias, zero_centered)
+        return cast_reference(y, scale, E4M3, write_row, write_t)
     if write_row and write_t:  # one launch writing both gave wrong transposed codes on the H100: two launches
-        kw = dict(zero_centered=zero_centered, triton_kernels=True)
-        return (norm_cast(q, e, mean, rstd, weight, bias, scale, **kw)[0],
-                norm_cast(q, e, mean, rstd, weight, bias, scale, write_row=False, write_t=True, **kw)[1])
+        kw = dict(zero_centered=zero_centered)
+        return (norm_cast(q, e, mean, rstd, weight, bias, scale, True, **kw)[0],
+                norm_cast(q, e, mean, rstd, weight, bias, scale, True, write_row=False, write_t=True, **kw)[1])
     m, h = q.shape
-    mp = aq.pad16(m)
+    mp = pad16(m)
     out = torch.empty(m, h, dtype=E4M3.dtype, device=q.device) if write_row else None
     out_t = torch.empty(h, mp, dtype=E4M3.dtype, device=q.device) if write_t else None
     bm, g, w = T_TILE if write_t else ROW_TILE
-    grid = (triton.cdiv(mp if write_t else m, bm) * triton.cdiv(h // aq.GROUP, g),)
+    grid = (triton.cdiv(mp if write_t else m, bm) * triton.cdiv(h // GROUP, g),)
     if grid[0]:
         _norm_cast_kernel[grid](q, e, mean, rstd, weight, bias, scale, out, out_t, m, h, mp, IS_RMS=mean is None,
                                 HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered, WRITE_ROW=write_row,
-                                WRITE_T=write_t, BM=bm, G=g, T_MODE=T_MODE, num_warps=w)
+                                WRITE_T=write_t, BM=bm, G=g, num_warps=w)
     return out, out_t
 
 
@@ -279,12 +289,13 @@ def norm_cast(q, e, mean, rstd, weight, bias, scale, *, zero_centered=False, wri
 BWD_ROWS, BWD_WARPS, BWD_STAGES = 32, 4, 3
 
 
-def norm_backward(q, e, mean, rstd, weight, dy, *, dres=None, has_bias=False, zero_centered=False,
-                  partial_amax=False, triton_kernels=None):
-    """-> (dx [M, H] in dy's dtype (+ dres), dweight fp32 [H], dbias fp32 [H] | None[, partial amax of dx])."""
-    if not (aq.use_triton(q) if triton_kernels is None else triton_kernels):
-        out = norm_backward_ref(q, e, mean, rstd, weight, dy, dres, has_bias, zero_centered)
-        return out + (aq.tensor_amax_partials_ref(out[0]),) if partial_amax else out
+def norm_backward(q, e, mean, rstd, weight, dy, use_triton: bool, *, dres=None, has_bias=False, zero_centered=False,
+                  partial_amax=False, tickets: ScaleTickets | None = None):
+    """-> (dx [M, H] in dy's dtype (+ dres), dweight fp32 [H], dbias fp32 [H] | None[, StageOneAmax of dx with its
+    E5M2 scale])."""
+    if not use_triton:
+        out = norm_backward_reference(q, e, mean, rstd, weight, dy, dres, has_bias, zero_centered)
+        return out + (StageOneAmax(amax_partials_reference(out[0])),) if partial_amax else out
     m, h = q.shape
     bh = triton.next_power_of_2(h)
     rows = BWD_ROWS if m >= 64 * BWD_ROWS else max(1, min(BWD_ROWS, m // 4))
@@ -293,13 +304,13 @@ def norm_backward(q, e, mean, rstd, weight, dy, *, dres=None, has_bias=False, ze
     alloc = torch.empty if m else torch.zeros  # every program writes its row of partials
     dw = alloc(max(grid[0], 1), h, dtype=torch.float32, device=q.device)
     db = alloc(max(grid[0], 1), h, dtype=torch.float32, device=q.device) if has_bias else None
-    partial = alloc(max(grid[0], 1), dtype=torch.float32, device=q.device)
+    partials = alloc(max(grid[0], 1), dtype=torch.float32, device=q.device)
+    kwargs, amax = stage_two_args(partials, E5M2 if partial_amax and m else None, tickets)
     if m:
         _norm_bwd_kernel[grid](q, e, mean, rstd, weight, dy.contiguous(),
-                               dres.contiguous() if dres is not None else None, dx, dw, db, partial, m, h,
+                               dres.contiguous() if dres is not None else None, dx, dw, db, partials, m, h,
                                IS_RMS=mean is None, HAS_DRES=dres is not None, HAS_BIAS=has_bias,
-                               WRITE_PARTIAL=partial_amax, ZERO_CENTERED=zero_centered, ROWS=rows, G=bh // aq.GROUP,
-                               NUM_STAGES=BWD_STAGES, num_warps=BWD_WARPS if bh >= 4096 else _warps(bh),
-                               **aq.partial_kwargs(partial, E5M2 if partial_amax else None))
+                               WRITE_PARTIAL=partial_amax, ZERO_CENTERED=zero_centered, ROWS=rows, G=bh // GROUP,
+                               NUM_STAGES=BWD_STAGES, num_warps=BWD_WARPS if bh >= 4096 else _warps(bh), **kwargs)
     out = dx, dw.sum(0), (db.sum(0) if has_bias else None)
-    return out + (partial,) if partial_amax else out
+    return out + (amax,) if partial_amax else out

@@ -13,8 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import act_quant as aq
-from .formats import E4M3, E5M2
+from ..formats import E4M3, E5M2
+from .group_quant import SCALE_DTYPE, amax_partials_reference, group_dequantize_reference, group_quantize_reference
+from .scaling import ScaleTickets, StageOneAmax, stage_two_args, store_partial
+from .tensor_quant import cast_reference
+from .tiles import (GROUP, group_tile, load_group_tile, nanmax, pad16, quantize_group_tile, store_cast_groups,
+                    tile_amax_of_zero_masked)
 
 
 @triton.jit
@@ -24,7 +28,7 @@ def _pair_tile(pid, M, F, BM: tl.constexpr, G: tl.constexpr):
     n_g = (F // 16) // G
     g0 = (pid % n_g) * G
     rows = ((pid // n_g) * BM + tl.arange(0, BM)).to(tl.int64)
-    offs, eoffs, mask = aq.group_tile(rows, g0, M, 2 * F, F // 16, G)
+    offs, eoffs, mask = group_tile(rows, g0, M, 2 * F, F // 16, G)
     return rows, g0, offs, eoffs, mask
 
 
@@ -41,40 +45,40 @@ def _sigmoid(g):
 
 @triton.jit
 def _swiglu_fwd_kernel(x_ptr, q_ptr, e_ptr, out_ptr, partial_ptr, M, F, WRITE_OUT: tl.constexpr,
-                       BM: tl.constexpr, G: tl.constexpr, DEQ_CODES: tl.constexpr, ticket_ptr, scale_ptr, NP,
+                       BM: tl.constexpr, G: tl.constexpr, ticket_ptr, scale_ptr, NP,
                        FP8_MAX: tl.constexpr, FINAL: tl.constexpr):
     pid = tl.program_id(0)
     rows, g0, offs, eoffs, mask = _pair_tile(pid, M, F, BM, G)
     g = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + offs + F, mask=mask, other=0.0).to(tl.float32)
-    gq, ge, gd = aq.quantize_groups3(g, 448.0, False, DEQ_CODES)
-    uq, ue, ud = aq.quantize_groups3(u, 448.0, False, DEQ_CODES)
+    gq, ge, gd = quantize_group_tile(g, 448.0, False)
+    uq, ue, ud = quantize_group_tile(u, 448.0, False)
     tl.store(q_ptr + offs, gq, mask=mask)
     tl.store(q_ptr + offs + F, uq, mask=mask)
     tl.store(e_ptr + eoffs, ge.to(tl.bfloat16), mask=mask)
     tl.store(e_ptr + eoffs + F // 16, ue.to(tl.bfloat16), mask=mask)
     p = gd * _sigmoid(gd) * ud
-    aq.store_partial(partial_ptr, pid, aq.tile_amax0(p), NP, ticket_ptr, scale_ptr, FP8_MAX, FINAL)  # masked: 0
+    store_partial(partial_ptr, pid, tile_amax_of_zero_masked(p), NP, ticket_ptr, scale_ptr, FP8_MAX, FINAL)  # masked: 0
     if WRITE_OUT:
         tl.store(out_ptr + _f_offsets(rows, g0, F, G), p.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _swiglu_cast_kernel(q_ptr, e_ptr, scale_ptr, out_ptr, out_t_ptr, M, F, M_PAD, WRITE_ROW: tl.constexpr,
-                        WRITE_T: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, T_MODE: tl.constexpr):
+                        WRITE_T: tl.constexpr, BM: tl.constexpr, G: tl.constexpr):
     pid = tl.program_id(0)
     rows, g0, offs, eoffs, mask = _pair_tile(pid, M, F, BM, G)
-    gd = aq.load_groups(q_ptr, e_ptr, offs, eoffs, mask)
-    ud = aq.load_groups(q_ptr, e_ptr, offs + F, eoffs + F // 16, mask)
+    gd = load_group_tile(q_ptr, e_ptr, offs, eoffs, mask)
+    ud = load_group_tile(q_ptr, e_ptr, offs + F, eoffs + F // 16, mask)
     p = gd * _sigmoid(gd) * ud  # masked lanes: 0
-    aq.store_cast3(p, rows, g0, tl.load(scale_ptr), out_ptr, out_t_ptr, M, F, M_PAD, G, WRITE_ROW, WRITE_T, False,
-                   T_MODE)
+    store_cast_groups(p, rows, g0, tl.load(scale_ptr), out_ptr, out_t_ptr, M, F, M_PAD, G, WRITE_ROW, WRITE_T,
+                      False, True)
 
 
 @triton.jit
 def _swiglu_bwd_kernel(q_ptr, e_ptr, dy_ptr, dx_ptr, partial_ptr, scale_ptr, out_ptr, out_t_ptr, M, F, M_PAD,
                        CAST: tl.constexpr, WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr,
-                       BM: tl.constexpr, G: tl.constexpr, T_MODE: tl.constexpr, ticket_ptr=None, scale_out_ptr=None,
+                       BM: tl.constexpr, G: tl.constexpr, ticket_ptr=None, scale_out_ptr=None,
                        NP=1, FP8_MAX: tl.constexpr = 1.0, FINAL: tl.constexpr = False, p_scale_ptr=None,
                        p_t_ptr=None, PRODUCT_T: tl.constexpr = False):
     """CAST: d[gate | up] cast to E5M2 with scale_ptr's scale; else BF16 d[gate | up] (WRITE_ROW) and its partial
@@ -82,8 +86,8 @@ def _swiglu_bwd_kernel(q_ptr, e_ptr, dy_ptr, dx_ptr, partial_ptr, scale_ptr, out
     same loads."""
     pid = tl.program_id(0)
     rows, g0, offs, eoffs, mask = _pair_tile(pid, M, F, BM, G)
-    gd = aq.load_groups(q_ptr, e_ptr, offs, eoffs, mask)
-    ud = aq.load_groups(q_ptr, e_ptr, offs + F, eoffs + F // 16, mask)
+    gd = load_group_tile(q_ptr, e_ptr, offs, eoffs, mask)
+    ud = load_group_tile(q_ptr, e_ptr, offs + F, eoffs + F // 16, mask)
     dy = tl.load(dy_ptr + _f_offsets(rows, g0, F, G), mask=mask, other=0.0).to(tl.float32)
     s = _sigmoid(gd)
     silu = gd * s
@@ -93,41 +97,41 @@ def _swiglu_bwd_kernel(q_ptr, e_ptr, dy_ptr, dx_ptr, partial_ptr, scale_ptr, out
     du = du32.to(tl.bfloat16)
     if CAST:
         scale = tl.load(scale_ptr)
-        aq.store_cast3(dg.to(tl.float32), rows, g0, scale, out_ptr, out_t_ptr, M, 2 * F, M_PAD, G,
-                       WRITE_ROW, WRITE_T, True, T_MODE)
-        aq.store_cast3(du.to(tl.float32), rows, g0 + F // 16, scale, out_ptr, out_t_ptr, M, 2 * F, M_PAD, G,
-                       WRITE_ROW, WRITE_T, True, T_MODE)
+        store_cast_groups(dg.to(tl.float32), rows, g0, scale, out_ptr, out_t_ptr, M, 2 * F, M_PAD, G,
+                          WRITE_ROW, WRITE_T, True, True)
+        store_cast_groups(du.to(tl.float32), rows, g0 + F // 16, scale, out_ptr, out_t_ptr, M, 2 * F, M_PAD, G,
+                          WRITE_ROW, WRITE_T, True, True)
     else:
         if WRITE_ROW:  # BF16 d[gate | up] (WRITE_ROW=False: partial amaxes only)
             tl.store(dx_ptr + offs, dg.to(dx_ptr.dtype.element_ty), mask=mask)
             tl.store(dx_ptr + offs + F, du.to(dx_ptr.dtype.element_ty), mask=mask)
         # amax of the BF16 values = the BF16 rounding of the fp32 amax (rounding is monotonic): no round trip
-        amax = aq.nanmax(aq.tile_amax0(dg32), aq.tile_amax0(du32)).to(tl.bfloat16).to(tl.float32)
-        aq.store_partial(partial_ptr, pid, amax, NP, ticket_ptr, scale_out_ptr, FP8_MAX, FINAL)
+        amax = nanmax(tile_amax_of_zero_masked(dg32), tile_amax_of_zero_masked(du32)).to(tl.bfloat16).to(tl.float32)
+        store_partial(partial_ptr, pid, amax, NP, ticket_ptr, scale_out_ptr, FP8_MAX, FINAL)
         if PRODUCT_T:
-            aq.store_cast3(silu * ud, rows, g0, tl.load(p_scale_ptr), None, p_t_ptr, M, F, M_PAD, G, False, True,
-                           False, T_MODE)
+            store_cast_groups(silu * ud, rows, g0, tl.load(p_scale_ptr), None, p_t_ptr, M, F, M_PAD, G, False, True,
+                              False, True)
 
 
 # ------------------------------------------------------------------------------------------- torch references
 def _split_deq(q, e):
-    xd = aq.group_dequantize_ref(q, e, torch.float32)
+    xd = group_dequantize_reference(q, e, torch.float32)
     return xd.chunk(2, -1)
 
 
-def _sigmoid_ref(g):
+def _sigmoid_reference(g):
     return 1.0 / (1.0 + torch.exp(-g))
 
 
-def swiglu_product_ref(q, e):
+def swiglu_product_reference(q, e):
     gd, ud = _split_deq(q, e)
-    return gd * _sigmoid_ref(gd) * ud
+    return gd * _sigmoid_reference(gd) * ud
 
 
-def swiglu_grad_ref(q, e, dy):
+def swiglu_grad_reference(q, e, dy):
     """BF16 d[gate | up] from the FP8 copy of x and dy."""
     gd, ud = _split_deq(q, e)
-    s = _sigmoid_ref(gd)
+    s = _sigmoid_reference(gd)
     silu = gd * s
     dy = dy.float()
     return torch.cat([(dy * ud * (s + silu * (1.0 - s))).bfloat16(), (dy * silu).bfloat16()], -1)
@@ -135,10 +139,9 @@ def swiglu_grad_ref(q, e, dy):
 
 # ------------------------------------------------------------------------------------------------ public ops
 # (rows, groups, warps) per program, one 1x16 group of gate and of up per thread; transposed outputs take taller
-# tiles (each program then writes 32-byte runs of every transposed row)
+# tiles (each program then writes 32-byte runs of every transposed row). BWD_TILE: H200 sweep, 1.34x (4, 32, 4).
 FWD_TILE, BWD_TILE, ROW_TILE, T_TILE, BWD_CAST_TILE = (8, 16, 4), (8, 32, 8), (4, 32, 4), (32, 8, 8), (32, 8, 8)
 BWD_AMAX_T_TILE = (32, 8, 8)  # the amax pass that also writes the product's transposed copy
-T_MODE, BWD_CAST_T_MODE = 2, 2  # aq.store_cast3 (best of the H100 sweep; BWD_TILE: H200, 1.34x the (4, 32, 4) tiles)
 
 
 def _tiles(f, tile):
@@ -153,16 +156,11 @@ def _grid(m, f, bm, g):
     return (triton.cdiv(m, bm) * ((f // 16) // g),)
 
 
-def _scale_out(kw):  # the backward kernel's scale_ptr is the cast's input scale: the stage-2 output is scale_out_ptr
-    kw["scale_out_ptr"] = kw.pop("scale_ptr")
-    return kw
-
-
 def _cast_outputs(q, width, fmt, write_row, write_t, t_tile):
     """Outputs and launch shape of a per-tensor cast of a [M, width] result recomputed from q [M, 2F]:
     (m, f, m padded to 16, out [M, width] | None, out_t [width, M16] | None, (BM, G, warps), grid)."""
     m, f = q.shape[0], q.shape[1] // 2
-    mp = aq.pad16(m)
+    mp = pad16(m)
     out = torch.empty(m, width, dtype=fmt.dtype, device=q.device) if write_row else None
     out_t = torch.empty(width, mp, dtype=fmt.dtype, device=q.device) if write_t else None
     tiles = _tiles(f, t_tile if write_t else ROW_TILE)
@@ -174,94 +172,94 @@ def _check(x):
         raise ValueError(f"SwiGLU input [..., 2F] needs F to be a multiple of 16, got 2F={x.shape[-1]}")
 
 
-def swiglu_forward(x2d, *, write_out=False, triton_kernels=None):
-    """x [M, 2F] -> (q fp8 [M, 2F], e bf16 [M, 2F/16], partial amax of the product, y [M, F] | None)."""
+def swiglu_forward(x2d, use_triton: bool, *, write_out=False, tickets: ScaleTickets | None = None):
+    """x [M, 2F] -> (codes fp8 [M, 2F], scales bf16 [M, 2F/16], StageOneAmax of the product with its E4M3 scale,
+    y [M, F] | None)."""
     _check(x2d)
-    if not (aq.use_triton(x2d) if triton_kernels is None else triton_kernels):
-        q, e = aq.group_quantize_ref(x2d, E4M3)
-        p = swiglu_product_ref(q, e)
-        return q, e, aq.tensor_amax_partials_ref(p), (p.to(x2d.dtype) if write_out else None)
+    if not use_triton:
+        q, e = group_quantize_reference(x2d, E4M3)
+        p = swiglu_product_reference(q, e)
+        return q, e, StageOneAmax(amax_partials_reference(p)), (p.to(x2d.dtype) if write_out else None)
     m, f2 = x2d.shape
     f = f2 // 2
     x2d = x2d.contiguous()
     q = torch.empty(m, f2, dtype=E4M3.dtype, device=x2d.device)
-    e = torch.empty(m, f2 // aq.GROUP, dtype=aq.SCALE_DTYPE, device=x2d.device)
+    e = torch.empty(m, f2 // GROUP, dtype=SCALE_DTYPE, device=x2d.device)
     out = torch.empty(m, f, dtype=x2d.dtype, device=x2d.device) if write_out else None
     bm, g, w = _tiles(f, FWD_TILE)
     grid = _grid(m, f, bm, g)
-    partial = (torch.empty if m else torch.zeros)(max(grid[0], 1), dtype=torch.float32, device=x2d.device)
+    partials = (torch.empty if m else torch.zeros)(max(grid[0], 1), dtype=torch.float32, device=x2d.device)
+    kwargs, amax = stage_two_args(partials, E4M3 if m else None, tickets)
     if m:
-        _swiglu_fwd_kernel[grid](x2d, q, e, out, partial, m, f, WRITE_OUT=write_out, BM=bm, G=g,
-                                 DEQ_CODES=aq.DEQ_CODES, num_warps=w, **aq.partial_kwargs(partial, E4M3))
-    return q, e, partial, out
+        _swiglu_fwd_kernel[grid](x2d, q, e, out, partials, m, f, WRITE_OUT=write_out, BM=bm, G=g, num_warps=w,
+                                 **kwargs)
+    return q, e, amax, out
 
 
-def swiglu_cast(q, e, scale, *, write_row=True, write_t=False, triton_kernels=None):
+def swiglu_cast(q, e, scale, use_triton: bool, *, write_row=True, write_t=False):
     """Per-tensor E4M3 of silu(gate) * up recomputed from the FP8 copy: (p8 [M, F] | None, p8_t [F, M16] | None)."""
-    if not (aq.use_triton(q) if triton_kernels is None else triton_kernels):
-        return aq.cast_ref(swiglu_product_ref(q, e), scale, E4M3, write_row, write_t)
-    if write_row and write_t:  # one launch writing both gave wrong codes on the H100 (triton 3.6): two launches
-        return (swiglu_cast(q, e, scale, triton_kernels=True)[0],
-                swiglu_cast(q, e, scale, write_row=False, write_t=True, triton_kernels=True)[1])
+    if not use_triton:
+        return cast_reference(swiglu_product_reference(q, e), scale, E4M3, write_row, write_t)
+    if write_row and write_t:  # one launch writing both gave wrong codes on the H100 (Triton 3.6): two launches
+        return (swiglu_cast(q, e, scale, True)[0], swiglu_cast(q, e, scale, True, write_row=False, write_t=True)[1])
     m, f, mp, out, out_t, (bm, g, w), grid = _cast_outputs(q, q.shape[1] // 2, E4M3, write_row, write_t, T_TILE)
     if grid[0]:
         _swiglu_cast_kernel[grid](q, e, scale, out, out_t, m, f, mp, WRITE_ROW=write_row, WRITE_T=write_t,
-                                  BM=bm, G=g, T_MODE=T_MODE, num_warps=w)
+                                  BM=bm, G=g, num_warps=w)
     return out, out_t
 
 
-def _backward_partials(q, e, dy, dx, product_scale=None):
+def _backward_partials(q, e, dy, dx, tickets, product_scale=None):
     """Launch the backward kernel in its BF16 mode: d[gate | up] into dx (None: not written) and its partial
     amaxes (with the E5M2 scale reduced in the same launch); with product_scale, also the product's transposed E4M3
-    copy. -> (partial, p8_t | None)."""
+    copy. -> (StageOneAmax, p8_t | None)."""
     m, f2 = q.shape
     f = f2 // 2
-    mp = aq.pad16(m)
+    mp = pad16(m)
     with_t = product_scale is not None
     bm, g, w = _tiles(f, BWD_AMAX_T_TILE if with_t else BWD_TILE)
     grid = _grid(mp if with_t else m, f, bm, g)
-    partial = (torch.empty if m else torch.zeros)(max(grid[0], 1), dtype=torch.float32, device=q.device)
+    partials = (torch.empty if m else torch.zeros)(max(grid[0], 1), dtype=torch.float32, device=q.device)
     p_t = torch.empty(f, mp, dtype=E4M3.dtype, device=q.device) if with_t else None
+    kwargs, amax = stage_two_args(partials, E5M2 if m else None, tickets)
+    kwargs["scale_out_ptr"] = kwargs.pop("scale_ptr")  # the kernel's scale_ptr is the cast's input scale
     if m:
-        _swiglu_bwd_kernel[grid](q, e, dy.contiguous(), dx, partial, None, None, None, m, f, mp, CAST=False,
-                                 WRITE_ROW=dx is not None, WRITE_T=False, BM=bm, G=g, T_MODE=T_MODE, num_warps=w,
-                                 p_scale_ptr=product_scale, p_t_ptr=p_t, PRODUCT_T=with_t,
-                                 **_scale_out(aq.partial_kwargs(partial, E5M2)))
+        _swiglu_bwd_kernel[grid](q, e, dy.contiguous(), dx, partials, None, None, None, m, f, mp, CAST=False,
+                                 WRITE_ROW=dx is not None, WRITE_T=False, BM=bm, G=g, num_warps=w,
+                                 p_scale_ptr=product_scale, p_t_ptr=p_t, PRODUCT_T=with_t, **kwargs)
     elif with_t:
         p_t.zero_()
-    return partial, p_t
+    return amax, p_t
 
 
-def swiglu_backward(q, e, dy, *, triton_kernels=None):
-    """-> (dx bf16 [M, 2F], partial amax of dx)."""
-    if not (aq.use_triton(q) if triton_kernels is None else triton_kernels):
-        dx = swiglu_grad_ref(q, e, dy)
-        return dx, aq.tensor_amax_partials_ref(dx)
+def swiglu_backward(q, e, dy, use_triton: bool, *, tickets: ScaleTickets | None = None):
+    """-> (dx bf16 [M, 2F], StageOneAmax of dx with its E5M2 scale)."""
+    if not use_triton:
+        dx = swiglu_grad_reference(q, e, dy)
+        return dx, StageOneAmax(amax_partials_reference(dx))
     dx = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-    return dx, _backward_partials(q, e, dy, dx)[0]
+    return dx, _backward_partials(q, e, dy, dx, tickets)[0]
 
 
-def swiglu_backward_amax(q, e, dy, *, product_scale=None, triton_kernels=None):
-    """Stage-1 partial amaxes of d[gate | up] (as BF16 values) without writing it: the first pass of
-    `swiglu_backward_cast`, which then recomputes it straight into E5M2. With product_scale (the forward's scale
-    of silu(gate) * up), the same loads also give the product's transposed E4M3 copy (swiglu_cast's write_t output):
-    returns (partial, p8_t [F, M16])."""
-    if not (aq.use_triton(q) if triton_kernels is None else triton_kernels):
-        partial = aq.tensor_amax_partials_ref(swiglu_grad_ref(q, e, dy))
+def swiglu_backward_amax(q, e, dy, use_triton: bool, *, product_scale=None, tickets: ScaleTickets | None = None):
+    """Stage-1 amaxes of d[gate | up] (as BF16 values) without writing it: the first pass of
+    `swiglu_backward_cast`, which then recomputes it straight into E5M2. With product_scale (the forward's scale of
+    silu(gate) * up), the same loads also give the product's transposed E4M3 copy (swiglu_cast's write_t output).
+    -> (StageOneAmax, p8_t [F, M16] | None)."""
+    if not use_triton:
+        amax = StageOneAmax(amax_partials_reference(swiglu_grad_reference(q, e, dy)))
         if product_scale is None:
-            return partial
-        return partial, swiglu_cast(q, e, product_scale, write_row=False, write_t=True, triton_kernels=False)[1]
-    partial, p_t = _backward_partials(q, e, dy, None, product_scale)
-    return partial if product_scale is None else (partial, p_t)
+            return amax, None
+        return amax, swiglu_cast(q, e, product_scale, False, write_row=False, write_t=True)[1]
+    return _backward_partials(q, e, dy, None, tickets, product_scale)
 
 
-def swiglu_backward_cast(q, e, dy, scale, *, write_row=True, write_t=True, triton_kernels=None):
+def swiglu_backward_cast(q, e, dy, scale, use_triton: bool, *, write_row=True, write_t=True):
     """d[gate | up] recomputed and cast straight to per-tensor E5M2: (dx8 [M, 2F] | None, dx8_t [2F, M16] | None)."""
-    if not (aq.use_triton(q) if triton_kernels is None else triton_kernels):
-        return aq.cast_ref(swiglu_grad_ref(q, e, dy), scale, E5M2, write_row, write_t)
+    if not use_triton:
+        return cast_reference(swiglu_grad_reference(q, e, dy), scale, E5M2, write_row, write_t)
     m, f, mp, out, out_t, (bm, g, w), grid = _cast_outputs(q, q.shape[1], E5M2, write_row, write_t, BWD_CAST_TILE)
     if grid[0]:
         _swiglu_bwd_kernel[grid](q, e, dy.contiguous(), None, None, scale, out, out_t, m, f, mp, CAST=True,
-                                 WRITE_ROW=write_row, WRITE_T=write_t, BM=bm, G=g, T_MODE=BWD_CAST_T_MODE,
-                                 num_warps=w)
+                                 WRITE_ROW=write_row, WRITE_T=write_t, BM=bm, G=g, num_warps=w)
     return out, out_t

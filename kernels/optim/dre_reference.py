@@ -1,6 +1,6 @@
 """PyTorch reference of COAT's FP8 group quantization with Dynamic Range Expansion, and of the fused AdamW step.
 
-Per group X (COAT_METHOD.md section 1): M = max|X|, m = min of the nonzero |X|, R = M/m,
+Per group X: M = max|X|, m = min of the nonzero |X|, R = M/m,
 k = floor(E*log2(Q^2/2)/log2 R)/E clamped to [1, k_max] (k = 1 when log2 R <= 2^-19), center c = sqrt(M m),
 scale s = (M/c)^k / Q, code = fp8(sign(x) |x/c|^k / s), x = sign(q) |q s|^(1/k) c. All-zero groups give zero codes.
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import portable_math as pm
-from .formats import FP8Format, get_format
+from .. import portable_math as pm
+from ..formats import FP8Format, get_format
 from .grouping import GroupLayout
 
 LOG2_RATIO_EPS = 2.0 ** -19  # log2 R at or below this counts as constant magnitude: k = 1
@@ -99,7 +99,7 @@ def encode(x: torch.Tensor, meta: torch.Tensor, cfg: DREConfig) -> torch.Tensor:
     y = pm.exp2(pm.fma(k, pm.log2(x.abs(), coarse=True), -offset), coarse=True)
     if cfg.keep_nonzero:
         y = torch.where(x.abs() >= pm.MIN_NORMAL, y.clamp(min=cfg.fmt.min_subnormal), y)
-    return cfg.fmt.quantize(torch.where(x < 0, -y, y))
+    return cfg.fmt.quantize(torch.where(x < 0, 0.0 - y, y))  # 0 - y, as Triton negates: a zero stays +0
 
 
 def decode(codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
@@ -110,7 +110,7 @@ def decode(codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     bias = (log2_scale_q - fmt.log2_max) * inv_k + log2_center
     raw = codes.view(torch.uint8).long()
     xa = pm.exp2(pm.fma(fmt.log2_table(codes.device)[raw], inv_k[:, None], bias[:, None]))
-    return torch.where(raw >= 128, -xa, xa)
+    return torch.where(raw >= 128, 0.0 - xa, xa)  # 0 - xa, as Triton negates
 
 
 def _quantize_rows(x: torch.Tensor, mask: torch.Tensor, cfg: DREConfig):

@@ -1,15 +1,13 @@
 """FP8 GEMMs through `torch._scaled_mm` (per-tensor scales, fp32 accumulation).
 
 Hopper's FP8 GEMM takes A row-major and B column-major ("TN"): `fp8_gemm(a, b_rows, ...)` computes
-a [M, K] @ b_rows[N, K].T, passing `b_rows.t()` (a free view) as B; the quantizers in act_quant write each operand
+a [M, K] @ b_rows[N, K].T, passing `b_rows.t()` (a free view) as B; the quantizers write each operand
 already in that layout (row-major copy for forward/dgrad, transposed copy for wgrad), so no GEMM needs a copy.
 Scales are fp32 0-dim dequantization scales. E5M2 x E5M2 is not supported by the hardware and never needed here:
 dgrad is E5M2 (grad) x E4M3 (weight), wgrad E5M2 (grad^T) x E4M3 (input^T).
 torch 2.13 also runs `_scaled_mm` on CPU (dequantize + fp32 matmul), so CPU and CUDA share this code path.
 """
 from __future__ import annotations
-
-from contextlib import contextmanager
 
 import torch
 
@@ -20,31 +18,13 @@ def check_gemm_dims(k: int, n: int, what: str):
                          f"got in_features={k}, out_features={n}")
 
 
-# Forward GEMMs with Hopper's fast FP8 accumulation (partial sums kept in the tensor core's reduced precision, no
-# periodic promotion to fp32), as TransformerEngine's fprop and torchao's tensorwise recipe do. Off by default:
-# COAT specifies fp32 accumulation; gradients always accumulate precisely. Set it for a whole run (Megatron:
-# --coat-fprop-fast-accum) or for a region with `fprop_fast_accumulation()`.
-FPROP_FAST_ACCUM = False
-
-
-@contextmanager
-def fprop_fast_accumulation(enabled: bool = True):
-    """Forward GEMMs issued inside use fast accumulation (enabled=True) or fp32 promotion (False)."""
-    global FPROP_FAST_ACCUM
-    before, FPROP_FAST_ACCUM = FPROP_FAST_ACCUM, bool(enabled)
-    try:
-        yield
-    finally:
-        FPROP_FAST_ACCUM = before
-
-
 def fp8_gemm(a: torch.Tensor, b_rows: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-             out_dtype=torch.bfloat16, bias: torch.Tensor | None = None, *, fprop: bool = False) -> torch.Tensor:
+             out_dtype=torch.bfloat16, bias: torch.Tensor | None = None, *, fast_accum: bool = False) -> torch.Tensor:
     """a [M, K] fp8 row-major, b_rows [N, K] fp8 row-major -> a @ b_rows.T * scale_a * scale_b (+ bias), [M, N].
-    fprop=True marks a forward GEMM (fast accumulation when FPROP_FAST_ACCUM)."""
+    fast_accum: Hopper's fast FP8 accumulation (forward GEMMs only, when the config asks for it)."""
     if a.shape[0] == 0:
         return torch.zeros(0, b_rows.shape[0], dtype=out_dtype, device=a.device)
     if bias is not None and bias.dtype != out_dtype:
         bias = bias.to(out_dtype)
     return torch._scaled_mm(a, b_rows.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype,
-                            use_fast_accum=bool(fprop and FPROP_FAST_ACCUM))
+                            use_fast_accum=fast_accum)

@@ -17,11 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats import get_format
+from ..portable_math import exp2_p, fma_p, log2_p
+from ..triton_fp8 import INTERPRET, to_e4m3, to_e5m2
 from .dre_reference import LOG2_RATIO_EPS, AdamWScalars, DREConfig, f32
-from .formats import get_format
 from .grouping import GroupLayout
-from .portable_math import exp2_p, fma_p, log2_p
-from .triton_fp8 import INTERPRET, to_e4m3, to_e5m2
 
 try:
     from triton.experimental import gluon

@@ -1,0 +1,68 @@
+"""One call that enables COAT in a megatron.training job: `handle = coat_megatron.enable_coat()`.
+
+It is idempotent (a second call returns the same handle) and does three things:
+1. `--transformer-impl coat` and the `--coat-*` flags in every parser megatron.training builds;
+2. `megatron.training.training.get_megatron_optimizer` wrapped: with `--coat-optimizer` the inner Adam of the
+   distributed / mixed-precision optimizer becomes CoatFP8AdamW (coat_megatron.optimizer), and every inner optimizer
+   ticks the step clock of the COAT weight caches, so each FP8 weight is quantized once per optimizer step (Megatron
+   writes weights through `.data` and parameter all-gathers, which no tensor version counter sees);
+3. the handle: a model provider builds the COAT layers with `handle.decoder_block_spec(config, args)` for
+   `--transformer-impl coat` (the layers then share the handle's CoatRuntime, whose clock the optimizer ticks).
+Call it before megatron.training's `pretrain` (coat_megatron.pretrain_gpt does).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coat_kernels.act import ActivationConfig, CoatRuntime
+
+from .arguments import coat_optimizer_options, install_coat_args
+from .spec import get_gpt_decoder_block_coat_spec
+
+
+@dataclass
+class CoatMegatron:
+    runtime: CoatRuntime = field(default_factory=CoatRuntime)
+    optimizers: list = field(default_factory=list)  # every optimizer megatron.training built, for the report
+
+    @staticmethod
+    def activation_config(args) -> ActivationConfig:
+        return ActivationConfig(fprop_fast_accum=bool(getattr(args, "coat_fprop_fast_accum", False)))
+
+    def decoder_block_spec(self, config, args, vp_stage=None, pp_rank=None):
+        """This pipeline stage's COAT decoder-block spec, bound to the handle's runtime and the args' options."""
+        return get_gpt_decoder_block_coat_spec(config, vp_stage=vp_stage, pp_rank=pp_rank,
+                                               attention=getattr(args, "coat_attention", "auto"),
+                                               coat_config=self.activation_config(args), coat_runtime=self.runtime)
+
+    def attach(self, megatron_optimizer) -> None:
+        """Tick the weight caches' clock after every step of this Megatron optimizer's inner optimizers."""
+        for wrapper in getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer]):
+            inner = getattr(wrapper, "optimizer", None)
+            if inner is not None and hasattr(inner, "register_step_post_hook"):
+                self.runtime.attach_optimizer(inner)
+
+
+def enable_coat() -> CoatMegatron:
+    from megatron.training import get_args, training
+
+    install_coat_args()
+    wrapped = training.get_megatron_optimizer
+    handle = getattr(wrapped, "coat_handle", None)
+    if handle is not None:
+        return handle
+    handle = CoatMegatron()
+
+    def get_megatron_optimizer_with_coat(*args, **kwargs):
+        from .optimizer import use_coat_optimizer
+
+        optimizer = wrapped(*args, **kwargs)
+        if get_args().coat_optimizer:
+            optimizer = use_coat_optimizer(optimizer, **coat_optimizer_options(get_args()))
+        handle.attach(optimizer)
+        handle.optimizers.append(optimizer)
+        return optimizer
+
+    get_megatron_optimizer_with_coat.coat_handle = handle
+    training.get_megatron_optimizer = get_megatron_optimizer_with_coat
+    return handle

@@ -1,0 +1,51 @@
+"""The activation half's options: one frozen, validated object given to every FP8 block and module.
+
+backend: "auto" runs the Triton kernels on CUDA tensors and the torch references (same math, same FP8 rounding) on
+CPU tensors; "triton" forces the kernels (CPU tensors then need TRITON_INTERPRET=1: the tests run them so);
+"torch" forces the references (on the GPU too: separates a kernel bug from FP8 rounding).
+fprop_fast_accum: forward FP8 GEMMs with Hopper's fast accumulation (partial sums kept in the tensor core's reduced
+precision, as TransformerEngine's fprop and torchao's tensorwise recipe do). Off: COAT's fp32 accumulation.
+Gradient GEMMs always accumulate in fp32.
+cache_weights: quantize each weight once per optimizer step (the runtime's step clock says when a step happened)
+and share the FP8 copies between micro-batches and between forward and backward; off: every forward quantizes its
+weights and backward re-casts the transposed copy.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class ActivationConfig:
+    backend: str = "auto"
+    fprop_fast_accum: bool = False
+    cache_weights: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        for name in ("fprop_fast_accum", "cache_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def use_triton(self, t: torch.Tensor) -> bool:
+        """Whether ops on `t` run the Triton kernels."""
+        return self.backend == "triton" or (self.backend == "auto" and t.is_cuda)
+
+    def replace(self, **changes) -> "ActivationConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_options(cls, options=None, **overrides) -> "ActivationConfig":
+        """From a mapping of option names (unknown names are an error that lists the valid ones)."""
+        values = {**(options or {}), **overrides}
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise ValueError(f"unknown FP8 activation option(s) {unknown}; valid: {', '.join(names)}")
+        return cls(**values)

@@ -1,0 +1,119 @@
+"""norm -> fc1 -> SwiGLU -> fc2 as one autograd node (TransformerEngine's LayerNormMLP with SwiGLU, on COAT's FP8
+flow), so that backward can take d[gate | up] straight to E5M2: a pass that computes its partial amaxes (and, from
+the same loads, the product's transposed E4M3 copy for fc2's weight gradient), then `swiglu_backward_cast`
+recomputing it into the row-major and transposed E5M2 operands of fc1's dgrad and wgrad. The BF16 gradient is never
+written: 2 bytes per element less written and read than fp8_(add_)norm_linear followed by fp8_swiglu_linear, with
+exactly their numerics and saved tensors.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..formats import E4M3, E5M2
+from . import norm as norm_ops
+from . import swiglu
+from .config import ActivationConfig
+from .functional import (_cache, _env, _gradient_amax, _norm_input_grad, _norm_to_fp8, _out_dtype,
+                         _weight_rows, _weight_transposed)
+from .gemm import check_gemm_dims, fp8_gemm
+from .runtime import CoatRuntime
+from .scaling import finalize_scale
+from .tensor_quant import quantize_tensor
+from .weights import WeightCache
+
+
+class _Fp8NormMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, norm_weight, norm_bias, w1, b1, w2, b2, cache1, cache2, kind, eps, zero_centered,
+                env):
+        hdim, f2, n = x.shape[-1], w1.shape[0], w2.shape[0]
+        check_gemm_dims(hdim, f2, "fp8_norm_swiglu_mlp fc1")
+        check_gemm_dims(f2 // 2, n, "fp8_norm_swiglu_mlp fc2")
+        h, q, e, mean, rstd, y_scale, y8 = _norm_to_fp8(x, residual, norm_weight, norm_bias, kind, eps,
+                                                        zero_centered, env)
+        w1_8, w1_scale = _weight_rows(w1, cache1, env)
+        out_dtype = _out_dtype(x)
+        a = fp8_gemm(y8, w1_8, y_scale, w1_scale, out_dtype, b1, fast_accum=env.fast_accum)
+        del y8
+        qa, ea, amax_p, _ = swiglu.swiglu_forward(a, env.use_triton, tickets=env.tickets)
+        del a
+        p_scale = finalize_scale(amax_p, E4M3, env.use_triton)
+        p8, _ = swiglu.swiglu_cast(qa, ea, p_scale, env.use_triton)
+        w2_8, w2_scale = _weight_rows(w2, cache2, env)
+        out = fp8_gemm(p8, w2_8, p_scale, w2_scale, out_dtype, b2, fast_accum=env.fast_accum)
+        out = out.reshape(*x.shape[:-1], n)
+        ctx.cache1, ctx.cache2, ctx.out_dtype, ctx.zero_centered, ctx.env = cache1, cache2, out_dtype, \
+            zero_centered, env
+        ctx.has_residual, ctx.shape = residual is not None, x.shape
+        ctx.b1_dtype = b1.dtype if b1 is not None else None
+        ctx.b2_dtype = b2.dtype if b2 is not None else None
+        ctx.save_for_backward(q, e, mean, rstd, norm_weight, norm_bias, w1, w2, y_scale, w1_scale, qa, ea, p_scale,
+                              w2_scale)
+        if residual is None:
+            return out
+        return out, h.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, dout, dh=None):
+        q, e, mean, rstd, norm_weight, norm_bias, w1, w2, y_scale, w1_scale, qa, ea, p_scale, w2_scale = \
+            ctx.saved_tensors
+        env, tri = ctx.env, ctx.env.use_triton
+        need = ctx.needs_input_grad
+        need_dx = any(need[:4])
+        need_da = need_dx or need[4] or need[5]  # anything below fc2 (fc1 weight/bias, norm, input)
+        # fc2
+        dy2 = dout.reshape(-1, w2.shape[0])
+        dy8, dy8_t, dy_scale = quantize_tensor(dy2, E5M2, tri, write_row=need_da, write_t=need[6],
+                                               amax=_gradient_amax(env, dout), tickets=env.tickets)
+        dw2 = db2 = dp = p8_t = amax_da = None
+        if need[7] and ctx.b2_dtype is not None:
+            db2 = dy2.float().sum(0).to(ctx.b2_dtype)
+        dx = dres = dnw = dnb = dw1 = db1 = None
+        if need_da:  # fc2's dgrad first: the SwiGLU backward's amax pass then also writes fc2's wgrad operand p8_t
+            dp = fp8_gemm(dy8, _weight_transposed(w2, w2_scale, ctx.cache2, env), dy_scale, w2_scale, ctx.out_dtype)
+            del dy8
+            if ctx.b1_dtype is None:  # d[gate | up] straight to E5M2 (a BF16 copy only if fc1 has a bias)
+                amax_da, p8_t = swiglu.swiglu_backward_amax(qa, ea, dp, tri, product_scale=p_scale if need[6] else None,
+                                                            tickets=env.tickets)
+        if need[6]:
+            if p8_t is None:
+                p8_t = swiglu.swiglu_cast(qa, ea, p_scale, tri, write_row=False, write_t=True)[1]
+            dw2 = fp8_gemm(dy8_t, p8_t, dy_scale, p_scale, w2.dtype)
+            del p8_t
+        del dy8_t
+        if not need_da:
+            return dx, dres, dnw, dnb, dw1, db1, dw2, db2, None, None, None, None, None, None
+        if ctx.b1_dtype is not None:
+            da, amax_da = swiglu.swiglu_backward(qa, ea, dp, tri, tickets=env.tickets)
+            if need[5]:
+                db1 = da.float().sum(0).to(ctx.b1_dtype)
+            da8, da8_t, da_scale = quantize_tensor(da, E5M2, tri, write_row=need_dx, write_t=need[4], amax=amax_da,
+                                                   tickets=env.tickets)
+            del da
+        else:
+            da_scale = finalize_scale(amax_da, E5M2, tri)
+            da8, da8_t = swiglu.swiglu_backward_cast(qa, ea, dp, da_scale, tri, write_row=need_dx, write_t=need[4])
+        del dp
+        if need[4]:
+            y8_t = norm_ops.norm_cast(q, e, mean, rstd, norm_weight, norm_bias, y_scale, tri,
+                                      zero_centered=ctx.zero_centered, write_row=False, write_t=True)[1]
+            dw1 = fp8_gemm(da8_t, y8_t, da_scale, y_scale, w1.dtype)
+            del y8_t, da8_t
+        if need_dx:
+            dyn = fp8_gemm(da8, _weight_transposed(w1, w1_scale, ctx.cache1, env), da_scale, w1_scale, ctx.out_dtype)
+            del da8
+            dres_in = dh.reshape(q.shape) if (ctx.has_residual and dh is not None) else None
+            dx, dnw, dnb = _norm_input_grad(ctx, q, e, mean, rstd, norm_weight, norm_bias, dyn, dres_in)
+            dres = dx if ctx.has_residual else None
+        return dx, dres, dnw, dnb, dw1, db1, dw2, db2, None, None, None, None, None, None
+
+
+def fp8_norm_swiglu_mlp(x, norm_weight, norm_bias, fc1_weight, fc2_weight, fc1_bias=None, fc2_bias=None, *,
+                        residual=None, norm="rmsnorm", eps=1e-5, zero_centered_gamma=False,
+                        config: ActivationConfig | None = None, runtime: CoatRuntime | None = None,
+                        fc1_cache: WeightCache | None = None, fc2_cache: WeightCache | None = None):
+    """fc2(silu(gate) * up), [gate | up] = fc1(norm(h)), h = x (+ residual). Returns y, or (y, h) with a residual
+    (h as in fp8_add_norm_linear)."""
+    return _Fp8NormMLP.apply(x, residual, norm_weight, norm_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
+                             _cache(fc1_cache, config, runtime), _cache(fc2_cache, config, runtime), norm, eps,
+                             zero_centered_gamma, _env(x, config, runtime))

@@ -1,0 +1,370 @@
+"""CoatFP8AdamW: AdamW whose two moments live in FP8 with per-group Dynamic Range Expansion (COAT).
+
+A drop-in for torch.optim.AdamW (decoupled weight decay, t counted from 1) that knows no training engine.
+Parameters are the fp32 (or bf16) master weights; gradients fp32, bf16 or fp16. CUDA tensors are stepped by one
+fused Triton launch per param group and dtype pair; CPU tensors by the PyTorch reference of the same math
+(backend="triton" forces the kernel, which then runs under TRITON_INTERPRET=1). Both give the same bits.
+
+COAT options: `OptimizerConfig` (coat_kernels.optim.config), given as `config=` and/or keyword arguments; the
+per-group ones (formats, expansion, group size, expand_min, k_max) are stored in each param group like lr.
+State per tensor: see coat_kernels.optim.state. fp32 `exp_avg` / `exp_avg_sq` found in a state entry (DeepSpeed's
+universal-checkpoint loader writes them) are quantized when the entry is next planned.
+
+Engines that hand the optimizer flat tensors holding fragments of several parameters (ZeRO partitions,
+distributed-optimizer shards) say where each fragment comes from by overriding `param_segments`, so that
+quantization groups follow each parameter's own grid and never straddle two parameters.
+
+Non-finite gradients (nonfinite="skip_group", the default): a quantization group whose gradient holds NaN or Inf
+(seen as a non-finite new second moment: a gradient whose square overflows fp32 counts too) keeps its parameters and
+moments unchanged; `skipped_groups` counts such groups (reading it synchronizes). nonfinite="error" does the same
+and then raises FloatingPointError.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import chain
+
+import torch
+
+from . import dre_reference as reference
+from . import state as coat_state
+from .config import DEFAULTS, GROUP_OPTION_NAMES, OPTION_NAMES, OptimizerConfig
+from .dre_reference import AdamWScalars
+from .grouping import GroupLayout, Segment, build_layout, concat_layouts, normalize_segments
+
+# torch.optim.AdamW options accepted only at their default value.
+TORCH_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "fused": None, "capturable": False,
+                  "differentiable": False}
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PARAM_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class CoatFP8AdamW(torch.optim.Optimizer):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
+                 config: OptimizerConfig | None = None, **options):
+        coat = {k: options.pop(k) for k in list(options) if k in OPTION_NAMES}
+        for name, value in options.items():
+            if name not in TORCH_DEFAULTS:
+                valid = ", ".join(("lr", "betas", "eps", "weight_decay", "config") + OPTION_NAMES)
+                raise ValueError(f"CoatFP8AdamW got an unknown option {name!r}; valid options: {valid}")
+            if value != TORCH_DEFAULTS[name] and not (name in ("foreach", "fused") and value is False):
+                raise ValueError(f"CoatFP8AdamW does not support {name}={value!r}")
+        self.config = (config or DEFAULTS).replace(**coat)
+        _check_hyper_parameters(lr, betas, eps, weight_decay)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **self.config.group_options)
+        super().__init__(params, defaults)
+        self._reset_caches()
+        self._skipped: dict[torch.device, torch.Tensor] = {}
+
+    def _reset_caches(self):
+        self._layouts: dict[torch.Tensor, GroupLayout] = {}
+        self._launchers: dict = {}  # FusedAdamW per list of layouts
+        self._plans: dict[int, _StepPlan] = {}  # per param group (by identity)
+
+    def __getstate__(self):
+        """copy.deepcopy and pickle: everything but the caches (rebuilt on the next step); FP8 codes travel as
+        uint8 (torch cannot unpickle FP8 storages)."""
+        out = {k: v for k, v in self.__dict__.items() if k not in ("_layouts", "_launchers", "_plans")}
+        out["state"] = {p: {k: _PicklableCodes(v) if k in coat_state.CODE_KEYS else v for k, v in entry.items()}
+                        for p, entry in self.state.items()}
+        return out
+
+    def __setstate__(self, state):
+        state["state"] = defaultdict(dict, {p: {k: v.tensor() if isinstance(v, _PicklableCodes) else v
+                                                for k, v in entry.items()} for p, entry in state["state"].items()})
+        super().__setstate__(state)
+        self._reset_caches()
+
+    # ---- the hook for engines --------------------------------------------------------------------------------
+    def param_segments(self, param: torch.Tensor, group_index: int) -> list[Segment] | None:
+        """The parameter runs inside `param` (a tensor of param group `group_index`): a list of
+        (flat_start, length, param_offset), or None when `param` is one whole parameter. Engines that step flat
+        partitions or shards override this; it is asked once per tensor, when its state is created."""
+        return None
+
+    # ---- public helpers -------------------------------------------------------------------------------------
+    @property
+    def skipped_groups(self) -> int:
+        """Quantization groups left unchanged so far because their gradient was not finite (synchronizes)."""
+        return int(sum(int(c.sum()) for c in self._skipped.values()))
+
+    def state_bytes(self) -> int:
+        """Bytes held by the optimizer state tensors (moments, their metadata, segment tables)."""
+        return sum(coat_state.entry_bytes(s) for s in self.state.values())
+
+    def group_config(self, group: dict) -> OptimizerConfig:
+        """The validated COAT options of one param group (they may be changed in the group's dict between steps)."""
+        # types in the key: True == 1 and 128.0 == 128 must not share a cached (validated) config
+        return _group_config(self.config, tuple((type(group[k]), group[k]) for k in GROUP_OPTION_NAMES))
+
+    def initialize_state(self) -> None:
+        """Create the (zero) FP8 state of every parameter that has none yet, and quantize fp32 moments found in
+        entries (a torch-format checkpoint): what the first step would do, now."""
+        for index, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                state = self.state[p]
+                if not coat_state.is_coat_state(state) or "exp_avg" in state:
+                    self._init_state(p, group, index)
+
+    def fp32_moments(self, p: torch.Tensor) -> dict:
+        """{"exp_avg", "exp_avg_sq"}: fp32, flat, on p's device (zeros before the first step)."""
+        state = self.state[p]
+        if not coat_state.is_coat_state(state):
+            group_index, group = self._group_of(p)
+            self._init_state(p, group, group_index)
+        return coat_state.to_fp32(self.state[p])
+
+    def set_fp32_moments(self, p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                         step: float | None = None) -> None:
+        """Replace p's moments by these fp32 values (p's numel, any shape), quantized now on p's groups."""
+        group_index, group = self._group_of(p)
+        state = self.state[p]
+        if not coat_state.is_coat_state(state):
+            self._init_state(p, group, group_index)
+        layout = self._layout(p, state)
+        m_cfg, v_cfg = self.group_config(group).moment_configs()
+        state.update(coat_state.from_fp32(exp_avg.to(p.device), exp_avg_sq.to(p.device), layout, m_cfg, v_cfg,
+                                          self._use_triton(p, layout.group_size)))
+        if step is not None:
+            state["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+    # ---- step -----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        before = self.skipped_groups if self.config.nonfinite == "error" else 0
+        for index, group in enumerate(self.param_groups):
+            self._step_group(index, group)
+        if self.config.nonfinite == "error" and self.skipped_groups > before:
+            raise FloatingPointError(f"{self.skipped_groups - before} quantization groups had NaN/Inf gradients "
+                                     "this step; their parameters and moments were left unchanged")
+        return loss
+
+    def _step_group(self, index, group):
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        grads = [p.grad for p in params]
+        cfg = self.group_config(group)
+        signature = (tuple(map(id, params)), tuple((g.dtype, g.layout, g.shape) for g in grads), cfg)
+        plan = self._plans.get(id(group))
+        if plan is None or plan.signature != signature or not all(
+                self.state[p] is st and "exp_avg_q" in st and "exp_avg" not in st and self._layouts.get(p) is layout
+                for p, st, layout in zip(params, plan.states, plan.layouts)):
+            plan = self._plans[id(group)] = self._plan(index, group, params, signature, cfg)
+        beta1, beta2 = group["betas"]
+        _check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        m_cfg, v_cfg = cfg.moment_configs()
+        scalars_by_step: dict[float, AdamWScalars] = {}
+        by_kernel: dict = {}
+        for p, grad, state, layout, key in zip(params, grads, plan.states, plan.layouts, plan.kernel_keys):
+            state["step"] += 1
+            step = float(state["step"])
+            scalars = scalars_by_step.get(step)
+            if scalars is None:
+                scalars = scalars_by_step[step] = AdamWScalars.make(group["lr"], beta1, beta2, group["eps"],
+                                                                    group["weight_decay"], step)
+            if not grad.is_contiguous():
+                grad = grad.contiguous()
+            by_kernel.setdefault(key if key[0] else key + (scalars,), []).append((p, grad, state, layout, scalars))
+        for (use_triton, device, *_), items in by_kernel.items():
+            if use_triton:
+                self._launch(device, items, m_cfg, v_cfg)
+            else:
+                self._counter(device).add_(_reference_step(items, m_cfg, v_cfg))
+
+    def _plan(self, index, group, params, signature, cfg) -> "_StepPlan":
+        """Checks and per-tensor facts of a group's step, kept while the params with gradients, their gradients'
+        dtypes and shapes, the group's COAT options and the states stay the same (a step then only walks lists)."""
+        states, layouts, keys = [], [], []
+        for p in params:
+            _check_tensors(p)
+            state = self.state[p]
+            if not coat_state.is_coat_state(state) or "exp_avg" in state:
+                self._init_state(p, group, index)
+            layout = self._layout(p, state)
+            _check_state_fits(p, state, layout, cfg)
+            states.append(state)
+            layouts.append(layout)
+            keys.append((self._use_triton(p, layout.group_size), p.device, p.dtype, p.grad.dtype,
+                         layout.group_size))
+        return _StepPlan(signature, states, layouts, keys)
+
+    def _launch(self, device, items, m_cfg, v_cfg):
+        from . import dre_triton
+
+        layouts = [it[3] for it in items]
+        key = tuple(id(lay) for lay in layouts)
+        if key not in self._launchers:
+            self._launchers[key] = dre_triton.FusedAdamW(layouts, device)
+        states = [it[2] for it in items]
+        self._launchers[key]([it[0] for it in items], [it[1] for it in items],
+                             [s["exp_avg_q"] for s in states], [s["exp_avg_meta"] for s in states],
+                             [s["exp_avg_sq_q"] for s in states], [s["exp_avg_sq_meta"] for s in states],
+                             [it[4] for it in items], m_cfg, v_cfg, self._counter(device))
+
+    def _use_triton(self, p, group_size):
+        from .dre_triton import supports_group_size
+
+        backend = self.config.backend
+        if backend == "triton" and not supports_group_size(group_size):
+            raise ValueError(f"backend='triton' needs a power-of-two group_size >= 4, got {group_size}")
+        return backend == "triton" or (backend == "auto" and p.is_cuda and supports_group_size(group_size))
+
+    def _counter(self, device):
+        if device not in self._skipped:
+            self._skipped[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        return self._skipped[device]
+
+    # ---- state ------------------------------------------------------------------------------------------------
+    def _group_of(self, p):
+        for index, group in enumerate(self.param_groups):
+            if any(p is q for q in group["params"]):
+                return index, group
+        raise KeyError("parameter is not in this optimizer")
+
+    def _init_state(self, p, group, group_index):
+        """A fresh entry on p's groups, keeping the step and quantizing fp32 moments found in the entry; an
+        existing FP8 entry keeps its codes (only fp32 moments found beside them replace them)."""
+        state = self.state[p]
+        fp32_moments = {k: state.pop(k) for k in coat_state.MOMENTS if k in state}
+        cfg = self.group_config(group)
+        m_cfg, v_cfg = cfg.moment_configs()
+        if not coat_state.is_coat_state(state):
+            segments = state["segments"] if "segments" in state else self.param_segments(p, group_index)
+            segments = normalize_segments(segments, p.numel())
+            layout = build_layout(segments, p.numel(), cfg.group_size)
+            state.update(coat_state.zero_state(p.numel(), segments, layout, m_cfg, v_cfg, p.device,
+                                               step=float(state.get("step", 0.0))))
+        layout = self._layout(p, state)
+        if fp32_moments:
+            if set(fp32_moments) != set(coat_state.MOMENTS):
+                raise KeyError(f"a state entry holds {sorted(fp32_moments)} but needs both exp_avg and exp_avg_sq")
+            state.update(coat_state.from_fp32(fp32_moments["exp_avg"].to(p.device),
+                                              fp32_moments["exp_avg_sq"].to(p.device), layout, m_cfg, v_cfg,
+                                              self._use_triton(p, layout.group_size)))
+
+    def _layout(self, p, state):
+        layout = self._layouts.get(p)
+        if layout is None:
+            layout = build_layout(state["segments"], state["exp_avg_q"].numel(), int(state["group_size"]))
+            self._layouts[p] = layout
+        return layout
+
+    def load_state_dict(self, state_dict):
+        # torch casts every floating state tensor to the param's dtype: keep codes FP8 and metadata fp32.
+        originals = {pid: {k: v for k, v in s.items() if k in coat_state.ENTRY_KEYS + coat_state.MOMENTS}
+                     for pid, s in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        id_to_param = dict(zip(saved_ids, chain.from_iterable(g["params"] for g in self.param_groups)))
+        for pid, tensors in originals.items():
+            p = id_to_param[pid]
+            for key, value in tensors.items():
+                self.state[p][key] = value.to(p.device) if isinstance(value, torch.Tensor) else value
+        for group in self.param_groups:  # saved groups from older runs may lack options: this run's defaults
+            for key, value in self.config.group_options.items():
+                group.setdefault(key, value)
+        self._reset_caches()
+
+
+class _PicklableCodes:
+    def __init__(self, codes: torch.Tensor):
+        self.dtype, self.raw = str(codes.dtype).removeprefix("torch."), codes.view(torch.uint8)
+
+    def tensor(self) -> torch.Tensor:
+        return self.raw.view(getattr(torch, self.dtype))
+
+
+@dataclass
+class _StepPlan:
+    signature: tuple
+    states: list
+    layouts: list
+    kernel_keys: list  # (use Triton, device, param dtype, grad dtype, group size) per tensor
+
+
+@lru_cache(maxsize=256)
+def _group_config(base: OptimizerConfig, values: tuple) -> OptimizerConfig:
+    return base.replace(**{name: value for name, (_, value) in zip(GROUP_OPTION_NAMES, values)})
+
+
+def _reference_step(items, m_cfg, v_cfg) -> torch.Tensor:
+    """The PyTorch reference step for tensors sharing device, dtypes and AdamW scalars: one call over their
+    concatenation (the reference costs hundreds of small ops per call), results copied back."""
+    if len(items) == 1:
+        p, grad, st, layout, scalars = items[0]
+        return reference.fused_adamw_step(p, grad, st["exp_avg_q"], st["exp_avg_meta"], st["exp_avg_sq_q"],
+                                          st["exp_avg_sq_meta"], layout, scalars, m_cfg, v_cfg)
+    params, grads, states, layouts, scalars = zip(*items)
+
+    def cat(tensors):
+        return torch.cat([t.reshape(-1).view(torch.uint8) if t.is_floating_point() and t.element_size() == 1
+                          else t.reshape(-1) for t in tensors])
+
+    p, g = cat(params), cat(grads)
+    codes = {k: cat([st[k] for st in states]).view(states[0][k].dtype) for k in coat_state.CODE_KEYS}
+    metas = {k: torch.cat([st[k] for st in states], dim=1) for k in coat_state.META_KEYS}
+    skipped = reference.fused_adamw_step(p, g, codes["exp_avg_q"], metas["exp_avg_meta"], codes["exp_avg_sq_q"],
+                                         metas["exp_avg_sq_meta"], concat_layouts(layouts), scalars[0], m_cfg, v_cfg)
+    start = groups = 0
+    for param, st, layout in zip(params, states, layouts):
+        n, k = layout.numel, layout.num_groups
+        param.view(-1).copy_(p[start:start + n])
+        for key in codes:
+            st[key].view(torch.uint8).copy_(codes[key][start:start + n].view(torch.uint8))
+        for key in metas:
+            st[key].copy_(metas[key][:, groups:groups + k])
+        start, groups = start + n, groups + k
+    return skipped
+
+
+def _check_hyper_parameters(lr, betas, eps, weight_decay):
+    try:
+        beta1, beta2 = betas
+        ok = lr >= 0 and 0 <= beta1 < 1 and 0 <= beta2 < 1 and eps >= 0 and weight_decay >= 0
+        ok = ok and all(math.isfinite(v) for v in (lr, beta1, beta2, eps, weight_decay))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"invalid AdamW hyper-parameters: lr={lr!r}, betas={betas!r}, eps={eps!r}, "
+                         f"weight_decay={weight_decay!r} (need lr, eps, weight_decay >= 0 and 0 <= beta < 1)")
+
+
+def _check_state_fits(p, state, layout, cfg):
+    """The state must describe this very tensor with this group's options: never step part of a tensor."""
+    if layout.numel != p.numel() or state["exp_avg_q"].numel() != p.numel():
+        raise RuntimeError(f"CoatFP8AdamW: a state of {state['exp_avg_q'].numel()} elements belongs to a tensor of "
+                           f"{p.numel()} elements (shape {tuple(p.shape)}): the parameter was resized or the "
+                           "checkpoint does not match the model")
+    m_cfg, v_cfg = cfg.moment_configs()
+    for key, fmt_cfg in (("exp_avg_q", m_cfg), ("exp_avg_sq_q", v_cfg)):
+        if state[key].dtype != fmt_cfg.fmt.dtype:
+            raise RuntimeError(f"CoatFP8AdamW: {key} is stored as {state[key].dtype} but the group asks for "
+                               f"{fmt_cfg.fmt.name}; change formats only with fresh state (or convert the moments "
+                               "with fp32_moments / set_fp32_moments)")
+    if layout.group_size != cfg.group_size:
+        raise RuntimeError(f"CoatFP8AdamW: the state was quantized in groups of {layout.group_size}, the group asks "
+                           f"for {cfg.group_size}; convert with fp32_moments / set_fp32_moments first")
+
+
+def _check_tensors(p):
+    g = p.grad
+    if g.is_sparse:
+        raise RuntimeError("CoatFP8AdamW does not support sparse gradients")
+    if p.is_complex() or g.is_complex():
+        raise RuntimeError("CoatFP8AdamW does not support complex parameters")
+    if p.dtype not in PARAM_DTYPES:
+        raise TypeError(f"CoatFP8AdamW needs fp32 or bf16 (master) parameters, got {p.dtype}")
+    if g.dtype not in GRAD_DTYPES:
+        raise TypeError(f"CoatFP8AdamW needs fp32, bf16 or fp16 gradients, got {g.dtype}")
+    if g.shape != p.shape:
+        raise RuntimeError(f"gradient shape {tuple(g.shape)} differs from parameter shape {tuple(p.shape)}")
+    if not p.is_contiguous():
+        raise RuntimeError("CoatFP8AdamW needs contiguous parameters")

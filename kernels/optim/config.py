@@ -1,0 +1,98 @@
+"""CoatFP8AdamW's COAT options: one frozen, validated object, and the one place their names and defaults live.
+
+`OptimizerConfig` is what keyword arguments, DeepSpeed's ds_config `"params"` and Megatron's `--coat-*` flags map
+onto. Types are strict, because JSON configs and command lines produce look-alikes that would otherwise be
+accepted silently: `"false"` (a string) is not a boolean, `128.0` and `True` are not a group size.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Mapping
+
+from ..formats import FORMATS
+from .dre_reference import DREConfig
+
+NONFINITE_POLICIES = ("skip_group", "error")
+BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """exp_avg_format / exp_avg_sq_format: "e4m3" or "e5m2". expand_exp_avg / expand_exp_avg_sq: Dynamic Range
+    Expansion on the moment (else plain per-group scaling). group_size: elements per quantization group.
+    expand_min: the expansion exponent k is a multiple of 1 / expand_min. k_max: cap on k.
+    nonfinite: "skip_group" (a group whose gradient holds NaN/Inf keeps its parameters and moments) or "error"
+    (the same, then FloatingPointError). backend: "auto" (Triton kernel for CUDA tensors, reference on the CPU),
+    "triton" or "torch"."""
+
+    exp_avg_format: str = "e4m3"
+    exp_avg_sq_format: str = "e4m3"
+    expand_exp_avg: bool = True
+    expand_exp_avg_sq: bool = True
+    group_size: int = 128
+    expand_min: int = 16
+    k_max: float = 16.0
+    nonfinite: str = "skip_group"
+    backend: str = "auto"
+
+    def __post_init__(self):
+        for name in ("exp_avg_format", "exp_avg_sq_format"):
+            _check_choice(name, getattr(self, name), tuple(FORMATS))
+        for name in ("expand_exp_avg", "expand_exp_avg_sq"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool (true/false), got {getattr(self, name)!r}")
+        for name in ("group_size", "expand_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+            if value < 1:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if isinstance(self.k_max, bool) or not isinstance(self.k_max, (int, float)):
+            raise TypeError(f"k_max must be a number, got {self.k_max!r} ({type(self.k_max).__name__})")
+        if not self.k_max >= 1 or self.k_max == float("inf"):
+            raise ValueError(f"k_max must be finite and >= 1, got {self.k_max}")
+        object.__setattr__(self, "k_max", float(self.k_max))
+        _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        _check_choice("backend", self.backend, BACKENDS)
+
+    @classmethod
+    def from_options(cls, options: Mapping | None = None, **overrides) -> "OptimizerConfig":
+        """From a mapping of option names (unknown names are an error that lists the valid ones)."""
+        values = {**(options or {}), **overrides}
+        unknown = sorted(set(values) - set(OPTION_NAMES))
+        if unknown:
+            raise ValueError(f"unknown COAT optimizer option(s) {unknown}; valid: {', '.join(OPTION_NAMES)}")
+        return cls(**values)
+
+    def replace(self, **changes) -> "OptimizerConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def group_options(self) -> dict:
+        """The options that may differ between param groups (they are stored in each group's dict)."""
+        return {name: getattr(self, name) for name in GROUP_OPTION_NAMES}
+
+    def moment_configs(self) -> tuple[DREConfig, DREConfig]:
+        """The quantizers of exp_avg and exp_avg_sq (a nonzero second moment never rounds to code 0)."""
+        return _moment_configs(self.exp_avg_format, self.expand_exp_avg, self.exp_avg_sq_format,
+                               self.expand_exp_avg_sq, self.expand_min, self.k_max)
+
+
+def _check_choice(name, value, choices):
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(OptimizerConfig))
+GROUP_OPTION_NAMES = ("exp_avg_format", "exp_avg_sq_format", "expand_exp_avg", "expand_exp_avg_sq", "group_size",
+                      "expand_min", "k_max")
+DEFAULTS = OptimizerConfig()
+
+
+@lru_cache(maxsize=64)
+def _moment_configs(m_format, m_expand, v_format, v_expand, expand_min, k_max) -> tuple[DREConfig, DREConfig]:
+    common = dict(expand_min=expand_min, k_max=k_max)
+    return (DREConfig(m_format, expand=m_expand, **common),
+            DREConfig(v_format, expand=v_expand, keep_nonzero=True, **common))

@@ -1,0 +1,105 @@
+"""CoatFP8AdamW's per-parameter state: how it is made, converted to and from fp32 moments, recognised and counted.
+
+An entry (one per parameter or flat partition) holds:
+  step             fp32 0-dim tensor (steps taken, as torch.optim.AdamW keeps it)
+  segments         int64 [n, 3]: (flat_start, length, param_offset) runs of parameters inside the tensor
+  group_size       int
+  exp_avg_q        FP8 codes [numel]          exp_avg_meta     fp32 [3, n_groups] (k, log2 center, log2 scale*Q)
+  exp_avg_sq_q     FP8 codes [numel]          exp_avg_sq_meta  fp32 [3, n_groups]
+The entry describes itself (segments and group size give the layout), so every function here works offline on a
+saved entry too. Every adapter (DeepSpeed, the universal-checkpoint tool, Megatron) goes through these functions.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from . import dre_reference as reference
+from .dre_reference import DREConfig
+from .grouping import GroupLayout, build_layout
+
+CODE_KEYS = ("exp_avg_q", "exp_avg_sq_q")
+META_KEYS = ("exp_avg_meta", "exp_avg_sq_meta")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+ENTRY_KEYS = ("step", "segments", "group_size") + CODE_KEYS + META_KEYS
+
+
+def is_coat_state(entry) -> bool:
+    """True for a CoatFP8AdamW entry (live or saved): FP8 codes with their segments."""
+    return isinstance(entry, dict) and "exp_avg_q" in entry and "segments" in entry
+
+
+def layout_of(entry: dict) -> GroupLayout:
+    return build_layout(entry["segments"], entry["exp_avg_q"].numel(), int(entry["group_size"]))
+
+
+def zero_meta(num_groups: int, device) -> torch.Tensor:
+    """Metadata of all-zero groups: k = 1, everything else 0 (their codes 0 decode to exact zeros)."""
+    meta = torch.zeros(3, num_groups, dtype=torch.float32, device=device)
+    meta[0] = 1.0  # k; rows as in dre_reference.META_ROWS
+    return meta
+
+
+def zero_state(numel: int, segments: torch.Tensor, layout: GroupLayout, m_cfg: DREConfig, v_cfg: DREConfig,
+               device, step: float = 0.0) -> dict:
+    """Zero moments: codes 0 with k = 1 (they dequantize to exact zeros)."""
+    return {
+        "step": torch.tensor(float(step), dtype=torch.float32),
+        "segments": segments.clone(),
+        "group_size": layout.group_size,
+        "exp_avg_q": torch.zeros(numel, dtype=m_cfg.fmt.dtype, device=device),
+        "exp_avg_meta": zero_meta(layout.num_groups, device),
+        "exp_avg_sq_q": torch.zeros(numel, dtype=v_cfg.fmt.dtype, device=device),
+        "exp_avg_sq_meta": zero_meta(layout.num_groups, device),
+    }
+
+
+def quantize_moment(x: torch.Tensor, layout: GroupLayout, cfg: DREConfig, use_kernel: bool):
+    """fp32 moment (any shape, layout.numel elements) -> (codes, meta)."""
+    x = x.detach().reshape(-1).to(torch.float32)
+    if x.numel() != layout.numel:
+        raise ValueError(f"a moment of {x.numel()} elements does not fit a state of {layout.numel}")
+    if use_kernel:
+        from . import dre_triton
+        return dre_triton.quantize(x, layout, cfg)
+    return reference.quantize(x, layout, cfg)
+
+
+def from_fp32(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, layout: GroupLayout, m_cfg: DREConfig,
+              v_cfg: DREConfig, use_kernel: bool = False) -> dict:
+    """The code and metadata tensors of fp32 moments."""
+    out = {}
+    for key, value, cfg in (("exp_avg", exp_avg, m_cfg), ("exp_avg_sq", exp_avg_sq, v_cfg)):
+        out[key + "_q"], out[key + "_meta"] = quantize_moment(value, layout, cfg, use_kernel)
+    return out
+
+
+def to_fp32(entry: dict) -> dict:
+    """fp32 {"exp_avg", "exp_avg_sq"} (flat) of one live or saved entry."""
+    layout = layout_of(entry)
+    out = {}
+    for key in MOMENTS:
+        codes, meta = entry[key + "_q"], entry[key + "_meta"]
+        from . import dre_triton
+
+        if codes.is_cuda and dre_triton.supports_group_size(layout.group_size):
+            out[key] = dre_triton.dequantize(codes, meta, layout)
+        else:
+            out[key] = reference.dequantize(codes, meta.to(codes.device), layout)
+    return out
+
+
+def entry_bytes(entry: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in entry.values() if isinstance(t, torch.Tensor))
+
+
+def state_report(optimizers: Iterable[torch.optim.Optimizer]) -> dict:
+    """Optimizer-state bytes (every state tensor: moments, their metadata, steps) against the elements of the
+    tensors that hold a state, over one process's torch optimizers (CoatFP8AdamW or any other)."""
+    optimizers = list(optimizers)
+    state_bytes = sum(entry_bytes(s) for opt in optimizers for s in opt.state.values())
+    numel = sum(p.numel() for opt in optimizers for p in opt.state)
+    names = "+".join(sorted({type(opt).__name__ for opt in optimizers}))
+    return {"optimizer": names, "state_bytes": state_bytes, "stepped_numel": numel,
+            "bytes_per_element": state_bytes / max(numel, 1)}
