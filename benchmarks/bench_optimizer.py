@@ -7,7 +7,7 @@ import gc
 
 import torch
 
-from coat_ds import CoatFP8AdamW
+from coat_kernels.optim import CoatFP8AdamW
 
 
 def state_bytes(opt):
