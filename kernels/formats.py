@@ -23,10 +23,6 @@ class FP8Format:
         return struct.unpack("f", struct.pack("f", math.log2(self.max)))[0]
 
     @property
-    def min_normal(self) -> float:
-        return 2.0 ** self.min_normal_exp
-
-    @property
     def min_subnormal(self) -> float:
         return 2.0 ** (self.min_normal_exp - self.mantissa_bits)
 

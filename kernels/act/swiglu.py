@@ -139,7 +139,7 @@ def swiglu_grad_reference(q, e, dy):
 
 # ------------------------------------------------------------------------------------------------ public ops
 # (rows, groups, warps) per program, one 1x16 group of gate and of up per thread; transposed outputs take taller
-# tiles (each program then writes 32-byte runs of every transposed row). BWD_TILE: H200 sweep, 1.34x (4, 32, 4).
+# tiles (each program then writes 32-byte runs of every transposed row). From tile sweeps (RESULTS_activations.md).
 FWD_TILE, BWD_TILE, ROW_TILE, T_TILE, BWD_CAST_TILE = (8, 16, 4), (8, 32, 8), (4, 32, 4), (32, 8, 8), (32, 8, 8)
 BWD_AMAX_T_TILE = (32, 8, 8)  # the amax pass that also writes the product's transposed copy
 
