@@ -310,18 +310,36 @@ def test_weight_cache_quantizes_once_per_optimizer_step(backend, monkeypatch):
     y1 = blocks.fp8_linear(xs[0], w, runtime=runtime, weight_cache=cache)
     assert calls.count((32, 64)) == 2  # re-quantized once after the step
     assert torch.equal(y1, blocks.fp8_linear(xs[0], w))
-    # a later micro-batch's forward refills the cache before this backward: the backward still uses its own
-    # quantization (the forward's scale)
-    w.grad = None
+    # the cache holds both FP8 copies, so no BF16 weight is kept for backward; a clock tick between a forward and
+    # its backward (which no training loop does) is an error, not a silent mix of two quantizations
     x0 = xs[0].clone().requires_grad_()
     y1 = blocks.fp8_linear(x0, w, runtime=runtime, weight_cache=cache)
     runtime.clock.tick()
     blocks.fp8_linear(xs[1], w, runtime=runtime, weight_cache=cache)
-    y1.sum().backward()
-    grads = (w.grad.clone(), x0.grad.clone())
-    w.grad = x0.grad = None
-    blocks.fp8_linear(x0, w).sum().backward()
-    assert torch.equal(grads[0], w.grad) and torch.equal(grads[1], x0.grad)
+    with pytest.raises(RuntimeError, match="refilled between this forward and its backward"):
+        y1.sum().backward()
+
+
+def test_weight_pieces_are_one_weight_with_gradients_per_piece(backend):
+    """q/k/v (or gate/up) kept as separate parameters, quantized as one GEMM weight: the same outputs and gradients
+    as the concatenated weight, with and without a cache."""
+    torch.manual_seed(8)
+    x = torch.randn(24, 64).bfloat16()
+    pieces = [(torch.randn(n, 64) / 8).bfloat16().requires_grad_() for n in (32, 16, 16)]
+    whole = torch.cat([p.detach() for p in pieces]).requires_grad_()
+    runtime = CoatRuntime()
+    runtime.attach_optimizer(torch.optim.SGD(pieces, lr=0.0))
+    for cache in (None, runtime.new_weight_cache()):
+        for p in pieces:
+            p.grad = None
+        whole.grad = None
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya = blocks.fp8_norm_linear(xa, torch.ones(64).bfloat16(), None, pieces, runtime=runtime, weight_cache=cache)
+        yb = blocks.fp8_norm_linear(xb, torch.ones(64).bfloat16(), None, whole)
+        assert torch.equal(ya, yb)
+        ya.float().sum().backward()
+        yb.float().sum().backward()
+        assert torch.equal(torch.cat([p.grad for p in pieces]), whole.grad) and torch.equal(xa.grad, xb.grad)
 
 
 def test_weights_are_requantized_every_forward_without_an_attached_optimizer(monkeypatch):

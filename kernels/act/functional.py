@@ -20,7 +20,9 @@ group holding Inf/NaN dequantizes to NaN (only that group); so non-finite values
 
 Every block takes `config` (ActivationConfig; default: ActivationConfig()) and `runtime` (CoatRuntime: scale
 tickets, the gradient-amax hand-off; None: neither) and, per weight, a WeightCache from the runtime (None: the
-weight is quantized at every forward).
+weight is quantized at every forward). A GEMM weight may be given as a sequence of tensors, row blocks of one weight
+(separate q/k/v or gate/up projections keeping their own parameters): one scale for the whole, each block gets its
+own gradient. With a usable cache the blocks keep no BF16 weight for backward (the cache holds both FP8 copies).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from .handoff import GradientAmaxHandoff
 from .runtime import CoatRuntime
 from .scaling import ScaleTickets, finalize_scale
 from .tensor_quant import cast, quantize_tensor
-from .weights import WeightCache
+from .weights import WeightCache, WeightPieces, as_pieces
 
 __all__ = ["fp8_linear", "fp8_norm_linear", "fp8_add_norm_linear", "fp8_norm_swiglu_mlp", "fp8_swiglu",
            "fp8_swiglu_linear", "fp8_gelu", "fp8_silu"]
@@ -46,17 +48,19 @@ DEFAULT_CONFIG = ActivationConfig()
 
 
 class BlockEnv(NamedTuple):
-    """What one block call needs of its config and runtime, resolved once per call."""
+    """What one block call needs of its config and runtime, resolved once per call (outside autograd's forward,
+    where grad mode is off)."""
     use_triton: bool
     fast_accum: bool
     tickets: ScaleTickets | None
     handoff: GradientAmaxHandoff | None
+    grad_enabled: bool  # a backward may follow: weight caches make the transposed copy in forward
 
 
 def _env(x, config, runtime) -> BlockEnv:
     config = config or DEFAULT_CONFIG
     return BlockEnv(config.use_triton(x), config.fprop_fast_accum, runtime.tickets if runtime else None,
-                    runtime.handoff if runtime else None)
+                    runtime.handoff if runtime else None, torch.is_grad_enabled())
 
 
 def _cache(cache, config, runtime):
@@ -65,19 +69,46 @@ def _cache(cache, config, runtime):
     return runtime.usable_cache(cache, config or DEFAULT_CONFIG)
 
 
-def _weight_rows(weight, cache, env):
+def _weight_rows(pieces: WeightPieces, cache, env):
+    """(w8 [N, K], scale); a cache also makes the transposed copy now, when a backward will need it."""
     if cache is not None:
-        return cache.rows(weight, env.use_triton, env.tickets)
-    w8, _, scale = quantize_tensor(weight.detach(), E4M3, env.use_triton, tickets=env.tickets)
+        return cache.fill(pieces, env.use_triton, env.tickets, transposed=env.grad_enabled)
+    w8, _, scale = quantize_tensor(pieces.joined(), E4M3, env.use_triton, tickets=env.tickets)
     return w8, scale
 
 
-def _weight_transposed(weight, scale, cache, env):
-    """W^T as E4M3 with the forward's scale: the cache's copy only if it still holds the forward's quantization,
-    else re-cast."""
-    if cache is not None and cache.holds(weight, scale):
-        return cache.transposed(weight, env.use_triton)[0]
-    return cast(weight.detach(), scale, E4M3, env.use_triton, write_row=False, write_t=True)[1]
+def _weight_transposed(cache, like, pieces: WeightPieces | None, scale, use_triton):
+    """W^T as E4M3 with the forward's scale: the cache's copy, or re-cast from the saved weight."""
+    if cache is not None:
+        if cache.holds(like, scale) and cache.w8_t is not None:
+            return cache.w8_t
+        raise RuntimeError("coat-fp8: the FP8 weight cache was refilled between this forward and its backward (the "
+                           "runtime's clock ticked in between: an optimizer step or clock.tick() before backward)")
+    return cast(pieces.joined(), scale, E4M3, use_triton, write_row=False, write_t=True)[1]
+
+
+class _WeightLike:
+    """What a cached block remembers of its weight for backward: shape, dtype, device (not the tensors)."""
+
+    def __init__(self, pieces: WeightPieces):
+        self.shape, self.dtype, self.device, self.rows = pieces.shape, pieces.dtype, pieces.device, pieces.rows
+
+    def split(self, grad):
+        return tuple(grad.split(self.rows, 0)) if len(self.rows) > 1 else (grad,)
+
+
+def _keep_weights(ctx, pieces: WeightPieces, cache):
+    """Tensors to save for the weight: none with a cache, the pieces (parameters, no copies) without one."""
+    ctx.weight_like = _WeightLike(pieces)
+    return () if cache is not None else pieces.tensors
+
+
+def _keep_two_weights(ctx, first: WeightPieces, cache1, second: WeightPieces, cache2):
+    """_keep_weights for a node with two GEMM weights: (tensors to save, how many belong to the first)."""
+    ctx.weight_likes = (_WeightLike(first), _WeightLike(second))
+    a = () if cache1 is not None else first.tensors
+    b = () if cache2 is not None else second.tensors
+    return a + b, len(a)
 
 
 def _out_dtype(x):
@@ -88,22 +119,23 @@ def _gradient_amax(env, grad):
     return env.handoff.take(grad) if env.handoff is not None else None
 
 
-def _linear_backward(ctx, dy, weight, w_scale, in_scale, in_t_fn, need_dx):
-    """Shared GEMM backward: (dgrad [M, K] | None, wgrad | None, bias grad | None). in_t_fn() -> input^T FP8."""
-    env = ctx.env
-    need_dw = ctx.needs_input_grad[ctx.weight_index]
+def _linear_backward(ctx, dy, pieces, w_scale, in_scale, in_t_fn, need_dx, need_dw, need_db):
+    """Shared GEMM backward: (dgrad [M, K] | None, wgrad per weight piece | (None, ...), bias grad | None).
+    in_t_fn() -> input^T FP8."""
+    env, weight = ctx.env, ctx.weight_like
     dy2 = dy.reshape(-1, weight.shape[0])
     dy8, dy8_t, dy_scale = quantize_tensor(dy2, E5M2, env.use_triton, write_row=need_dx, write_t=need_dw,
                                            amax=_gradient_amax(env, dy), tickets=env.tickets)
-    dx = dw = db = None
+    dx = db = None
+    dws = (None,) * len(weight.rows)
     if need_dx:
-        w8_t = _weight_transposed(weight, w_scale, ctx.cache, env)
-        dx = fp8_gemm(dy8, w8_t, dy_scale, w_scale, ctx.out_dtype)
+        dx = fp8_gemm(dy8, _weight_transposed(ctx.cache, weight, pieces, w_scale, env.use_triton), dy_scale, w_scale,
+                      ctx.out_dtype)
     if need_dw:
-        dw = fp8_gemm(dy8_t, in_t_fn(), dy_scale, in_scale, weight.dtype)
-    if ctx.has_bias and ctx.needs_input_grad[ctx.weight_index + 1]:
+        dws = weight.split(fp8_gemm(dy8_t, in_t_fn(), dy_scale, in_scale, weight.dtype))
+    if need_db:
         db = dy2.float().sum(0).to(ctx.bias_dtype)
-    return dx, dw, db
+    return dx, dws, db
 
 
 def _norm_to_fp8(x, residual, norm_weight, norm_bias, kind, eps, zero_centered, env):
@@ -137,22 +169,23 @@ def _norm_input_grad(ctx, q, e, mean, rstd, norm_weight, norm_bias, dy_norm, dre
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, cache, reuse_input, env):
-        k, n = x.shape[-1], weight.shape[0]
+    def forward(ctx, x, bias, cache, reuse_input, env, *weights):
+        pieces = WeightPieces(weights)
+        k, n = x.shape[-1], pieces.shape[0]
         check_gemm_dims(k, n, "fp8_linear")
         x2 = x.reshape(-1, k)
         x8, x8_t, x_scale = quantize_tensor(x2, E4M3, env.use_triton, write_t=not reuse_input, tickets=env.tickets)
-        w8, w_scale = _weight_rows(weight, cache, env)
-        ctx.out_dtype, ctx.cache, ctx.reuse_input, ctx.weight_index, ctx.env = _out_dtype(x), cache, reuse_input, 1, env
-        ctx.has_bias, ctx.bias_dtype = bias is not None, (bias.dtype if bias is not None else None)
-        ctx.save_for_backward(x if reuse_input else x8_t, weight, x_scale, w_scale)
+        w8, w_scale = _weight_rows(pieces, cache, env)
+        ctx.out_dtype, ctx.cache, ctx.reuse_input, ctx.env = _out_dtype(x), cache, reuse_input, env
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.save_for_backward(x if reuse_input else x8_t, x_scale, w_scale, *_keep_weights(ctx, pieces, cache))
         y = fp8_gemm(x8, w8, x_scale, w_scale, ctx.out_dtype, bias, fast_accum=env.fast_accum)
         return y.reshape(*x.shape[:-1], n)
 
     @staticmethod
     def backward(ctx, dy):
-        saved_x, weight, x_scale, w_scale = ctx.saved_tensors
-        k = weight.shape[1]
+        saved_x, x_scale, w_scale, *weights = ctx.saved_tensors
+        k = ctx.weight_like.shape[1]
 
         def input_t():
             if ctx.reuse_input:
@@ -160,33 +193,38 @@ class _Fp8Linear(torch.autograd.Function):
                             write_t=True)[1]
             return saved_x
 
-        dx, dw, db = _linear_backward(ctx, dy, weight, w_scale, x_scale, input_t, ctx.needs_input_grad[0])
+        need = ctx.needs_input_grad
+        dx, dws, db = _linear_backward(ctx, dy, WeightPieces(weights) if weights else None, w_scale, x_scale,
+                                       input_t, need[0], any(need[5:]), ctx.bias_dtype is not None and need[1])
         if dx is not None:
             dx = dx.reshape(*dy.shape[:-1], k)
-        return dx, dw, db, None, None, None
+        return (dx, db, None, None, None) + dws
 
 
 def fp8_linear(x, weight, bias=None, *, config: ActivationConfig | None = None, runtime: CoatRuntime | None = None,
                weight_cache: WeightCache | None = None, reuse_input: bool = False):
-    """y = x @ weight.T + bias with E4M3 x E4M3 per-tensor GEMMs. reuse_input=True saves x itself (no new memory
-    when x is kept anyway, e.g. the attention output) and re-quantizes it in backward."""
-    return _Fp8Linear.apply(x, weight, bias, _cache(weight_cache, config, runtime), reuse_input,
-                            _env(x, config, runtime))
+    """y = x @ weight.T + bias with E4M3 x E4M3 per-tensor GEMMs (weight: a tensor or row blocks of one).
+    reuse_input=True saves x itself (no new memory when x is kept anyway, e.g. the attention output) and
+    re-quantizes it in backward."""
+    return _Fp8Linear.apply(x, bias, _cache(weight_cache, config, runtime), reuse_input, _env(x, config, runtime),
+                            *as_pieces(weight).tensors)
 
 
 class _Fp8NormLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, norm_weight, norm_bias, weight, bias, cache, kind, eps, zero_centered,
-                residual_out, env):
-        hdim, n = x.shape[-1], weight.shape[0]
+    def forward(ctx, x, residual, norm_weight, norm_bias, bias, cache, kind, eps, zero_centered, residual_out, env,
+                *weights):
+        pieces = WeightPieces(weights)
+        hdim, n = x.shape[-1], pieces.shape[0]
         check_gemm_dims(hdim, n, "fp8_norm_linear")
         h, q, e, mean, rstd, y_scale, y8 = _norm_to_fp8(x, residual, norm_weight, norm_bias, kind, eps,
                                                         zero_centered, env)
-        w8, w_scale = _weight_rows(weight, cache, env)
-        ctx.out_dtype, ctx.cache, ctx.weight_index, ctx.zero_centered = _out_dtype(x), cache, 4, zero_centered
-        ctx.has_bias, ctx.bias_dtype = bias is not None, (bias.dtype if bias is not None else None)
-        ctx.has_residual, ctx.residual_out, ctx.shape, ctx.env = residual is not None, residual_out, x.shape, env
-        ctx.save_for_backward(q, e, mean, rstd, norm_weight, norm_bias, weight, y_scale, w_scale)
+        w8, w_scale = _weight_rows(pieces, cache, env)
+        ctx.out_dtype, ctx.cache, ctx.zero_centered, ctx.env = _out_dtype(x), cache, zero_centered, env
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.has_residual, ctx.residual_out, ctx.shape = residual is not None, residual_out, x.shape
+        ctx.save_for_backward(q, e, mean, rstd, norm_weight, norm_bias, y_scale, w_scale,
+                              *_keep_weights(ctx, pieces, cache))
         out = fp8_gemm(y8, w8, y_scale, w_scale, ctx.out_dtype, bias, fast_accum=env.fast_accum)
         out = out.reshape(*x.shape[:-1], n)
         if residual is not None:
@@ -197,19 +235,22 @@ class _Fp8NormLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dh=None):
-        q, e, mean, rstd, norm_weight, norm_bias, weight, y_scale, w_scale = ctx.saved_tensors
+        q, e, mean, rstd, norm_weight, norm_bias, y_scale, w_scale, *weights = ctx.saved_tensors
 
         def norm_out_t():
             return norm_ops.norm_cast(q, e, mean, rstd, norm_weight, norm_bias, y_scale, ctx.env.use_triton,
                                       zero_centered=ctx.zero_centered, write_row=False, write_t=True)[1]
 
-        need_dx = any(ctx.needs_input_grad[:4])
-        dy_norm, dw, db = _linear_backward(ctx, dout, weight, w_scale, y_scale, norm_out_t, need_dx)
+        need = ctx.needs_input_grad
+        need_dx = any(need[:4])
+        dy_norm, dws, db = _linear_backward(ctx, dout, WeightPieces(weights) if weights else None, w_scale, y_scale,
+                                            norm_out_t, need_dx, any(need[11:]),
+                                            ctx.bias_dtype is not None and need[4])
         dx = dnw = dnb = None
         if need_dx:
             dres = dh.reshape(q.shape) if ((ctx.has_residual or ctx.residual_out) and dh is not None) else None
             dx, dnw, dnb = _norm_input_grad(ctx, q, e, mean, rstd, norm_weight, norm_bias, dy_norm, dres)
-        return dx, (dx if ctx.has_residual else None), dnw, dnb, dw, db, None, None, None, None, None, None
+        return (dx, (dx if ctx.has_residual else None), dnw, dnb, db, None, None, None, None, None, None) + dws
 
 
 def fp8_norm_linear(x, norm_weight, norm_bias, weight, bias=None, *, norm="rmsnorm", eps=1e-5,
@@ -219,8 +260,8 @@ def fp8_norm_linear(x, norm_weight, norm_bias, weight, bias=None, *, norm="rmsno
     residual_out=True returns (y, x'): x' is x (a view of it) to use as the residual stream; the gradient that
     reaches x' is added to the norm's input gradient inside the norm-backward kernel, instead of autograd adding
     the two gradients of x in a separate pass."""
-    return _Fp8NormLinear.apply(x, None, norm_weight, norm_bias, weight, bias, _cache(weight_cache, config, runtime),
-                                norm, eps, zero_centered_gamma, residual_out, _env(x, config, runtime))
+    return _Fp8NormLinear.apply(x, None, norm_weight, norm_bias, bias, _cache(weight_cache, config, runtime), norm, eps,
+                                zero_centered_gamma, residual_out, _env(x, config, runtime), *as_pieces(weight).tensors)
 
 
 def fp8_add_norm_linear(x, residual, norm_weight, norm_bias, weight, bias=None, *, norm="rmsnorm", eps=1e-5,
@@ -228,49 +269,52 @@ def fp8_add_norm_linear(x, residual, norm_weight, norm_bias, weight, bias=None, 
                         runtime: CoatRuntime | None = None, weight_cache: WeightCache | None = None):
     """h = x + residual (BF16), y = linear(norm(h)) -> (y, h). One kernel writes h, its E4M3 1x16 copy (saved) and
     the norm's statistics; backward adds h's incoming gradient inside the norm-backward kernel."""
-    return _Fp8NormLinear.apply(x, residual, norm_weight, norm_bias, weight, bias,
-                                _cache(weight_cache, config, runtime), norm, eps, zero_centered_gamma, False,
-                                _env(x, config, runtime))
+    return _Fp8NormLinear.apply(x, residual, norm_weight, norm_bias, bias, _cache(weight_cache, config, runtime), norm,
+                                eps, zero_centered_gamma, False, _env(x, config, runtime), *as_pieces(weight).tensors)
 
 
 class _Fp8SwigluLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, cache, env):
-        f2, n = x.shape[-1], weight.shape[0]
+    def forward(ctx, x, bias, cache, env, *weights):
+        pieces = WeightPieces(weights)
+        f2, n = x.shape[-1], pieces.shape[0]
         check_gemm_dims(f2 // 2, n, "fp8_swiglu_linear")
         q, e, amax, _ = swiglu.swiglu_forward(x.reshape(-1, f2), env.use_triton, tickets=env.tickets)
         p_scale = finalize_scale(amax, E4M3, env.use_triton)
         p8, _ = swiglu.swiglu_cast(q, e, p_scale, env.use_triton)
-        w8, w_scale = _weight_rows(weight, cache, env)
-        ctx.out_dtype, ctx.cache, ctx.weight_index, ctx.shape, ctx.x_dtype = _out_dtype(x), cache, 1, x.shape, x.dtype
-        ctx.has_bias, ctx.bias_dtype, ctx.env = bias is not None, (bias.dtype if bias is not None else None), env
-        ctx.save_for_backward(q, e, weight, p_scale, w_scale)
+        w8, w_scale = _weight_rows(pieces, cache, env)
+        ctx.out_dtype, ctx.cache, ctx.shape, ctx.x_dtype, ctx.env = _out_dtype(x), cache, x.shape, x.dtype, env
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.save_for_backward(q, e, p_scale, w_scale, *_keep_weights(ctx, pieces, cache))
         out = fp8_gemm(p8, w8, p_scale, w_scale, ctx.out_dtype, bias, fast_accum=env.fast_accum)
         return out.reshape(*x.shape[:-1], n)
 
     @staticmethod
     def backward(ctx, dout):
-        q, e, weight, p_scale, w_scale = ctx.saved_tensors
+        q, e, p_scale, w_scale, *weights = ctx.saved_tensors
         env = ctx.env
 
         def product_t():
             return swiglu.swiglu_cast(q, e, p_scale, env.use_triton, write_row=False, write_t=True)[1]
 
-        dp, dw, db = _linear_backward(ctx, dout, weight, w_scale, p_scale, product_t, ctx.needs_input_grad[0])
+        need = ctx.needs_input_grad
+        dp, dws, db = _linear_backward(ctx, dout, WeightPieces(weights) if weights else None, w_scale, p_scale,
+                                       product_t, need[0], any(need[4:]), ctx.bias_dtype is not None and need[1])
         dx = None
         if dp is not None:
             dx, amax = swiglu.swiglu_backward(q, e, dp, env.use_triton, tickets=env.tickets)
             dx = dx.to(ctx.x_dtype).reshape(ctx.shape)
             if ctx.x_dtype == torch.bfloat16 and env.handoff is not None:
                 env.handoff.give(dx, amax)
-        return dx, dw, db, None, None
+        return (dx, db, None, None) + dws
 
 
 def fp8_swiglu_linear(x, weight, bias=None, *, config: ActivationConfig | None = None,
                       runtime: CoatRuntime | None = None, weight_cache: WeightCache | None = None):
     """linear(silu(gate) * up), [gate | up] = x.chunk(2, -1): saves gate/up as E4M3 1x16 and recomputes the
     product (and its transposed FP8 copy) in backward."""
-    return _Fp8SwigluLinear.apply(x, weight, bias, _cache(weight_cache, config, runtime), _env(x, config, runtime))
+    return _Fp8SwigluLinear.apply(x, bias, _cache(weight_cache, config, runtime), _env(x, config, runtime),
+                                  *as_pieces(weight).tensors)
 
 
 class _Fp8Swiglu(torch.autograd.Function):

@@ -13,25 +13,26 @@ from ..formats import E4M3, E5M2
 from . import norm as norm_ops
 from . import swiglu
 from .config import ActivationConfig
-from .functional import (_cache, _env, _gradient_amax, _norm_input_grad, _norm_to_fp8, _out_dtype,
-                         _weight_rows, _weight_transposed)
+from .functional import (_cache, _env, _gradient_amax, _keep_two_weights, _norm_input_grad, _norm_to_fp8,
+                         _out_dtype, _weight_rows, _weight_transposed)
 from .gemm import check_gemm_dims, fp8_gemm
 from .runtime import CoatRuntime
 from .scaling import finalize_scale
 from .tensor_quant import quantize_tensor
-from .weights import WeightCache
+from .weights import WeightCache, WeightPieces, as_pieces
 
 
 class _Fp8NormMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, norm_weight, norm_bias, w1, b1, w2, b2, cache1, cache2, kind, eps, zero_centered,
-                env):
-        hdim, f2, n = x.shape[-1], w1.shape[0], w2.shape[0]
+    def forward(ctx, x, residual, norm_weight, norm_bias, b1, w2, b2, cache1, cache2, kind, eps, zero_centered, env,
+                *w1):
+        fc1, fc2 = WeightPieces(w1), WeightPieces([w2])
+        hdim, f2, n = x.shape[-1], fc1.shape[0], w2.shape[0]
         check_gemm_dims(hdim, f2, "fp8_norm_swiglu_mlp fc1")
         check_gemm_dims(f2 // 2, n, "fp8_norm_swiglu_mlp fc2")
         h, q, e, mean, rstd, y_scale, y8 = _norm_to_fp8(x, residual, norm_weight, norm_bias, kind, eps,
                                                         zero_centered, env)
-        w1_8, w1_scale = _weight_rows(w1, cache1, env)
+        w1_8, w1_scale = _weight_rows(fc1, cache1, env)
         out_dtype = _out_dtype(x)
         a = fp8_gemm(y8, w1_8, y_scale, w1_scale, out_dtype, b1, fast_accum=env.fast_accum)
         del y8
@@ -39,7 +40,7 @@ class _Fp8NormMLP(torch.autograd.Function):
         del a
         p_scale = finalize_scale(amax_p, E4M3, env.use_triton)
         p8, _ = swiglu.swiglu_cast(qa, ea, p_scale, env.use_triton)
-        w2_8, w2_scale = _weight_rows(w2, cache2, env)
+        w2_8, w2_scale = _weight_rows(fc2, cache2, env)
         out = fp8_gemm(p8, w2_8, p_scale, w2_scale, out_dtype, b2, fast_accum=env.fast_accum)
         out = out.reshape(*x.shape[:-1], n)
         ctx.cache1, ctx.cache2, ctx.out_dtype, ctx.zero_centered, ctx.env = cache1, cache2, out_dtype, \
@@ -47,65 +48,73 @@ class _Fp8NormMLP(torch.autograd.Function):
         ctx.has_residual, ctx.shape = residual is not None, x.shape
         ctx.b1_dtype = b1.dtype if b1 is not None else None
         ctx.b2_dtype = b2.dtype if b2 is not None else None
-        ctx.save_for_backward(q, e, mean, rstd, norm_weight, norm_bias, w1, w2, y_scale, w1_scale, qa, ea, p_scale,
-                              w2_scale)
+        kept, ctx.n_fc1_saved = _keep_two_weights(ctx, fc1, cache1, fc2, cache2)
+        ctx.save_for_backward(q, e, mean, rstd, norm_weight, norm_bias, y_scale, w1_scale, qa, ea, p_scale, w2_scale,
+                              *kept)
         if residual is None:
             return out
         return out, h.reshape(x.shape)
 
     @staticmethod
     def backward(ctx, dout, dh=None):
-        q, e, mean, rstd, norm_weight, norm_bias, w1, w2, y_scale, w1_scale, qa, ea, p_scale, w2_scale = \
+        q, e, mean, rstd, norm_weight, norm_bias, y_scale, w1_scale, qa, ea, p_scale, w2_scale, *kept = \
             ctx.saved_tensors
+        fc1_like, fc2_like = ctx.weight_likes
+        fc1 = WeightPieces(kept[:ctx.n_fc1_saved]) if ctx.n_fc1_saved else None
+        fc2 = WeightPieces(kept[ctx.n_fc1_saved:]) if len(kept) > ctx.n_fc1_saved else None
         env, tri = ctx.env, ctx.env.use_triton
         need = ctx.needs_input_grad
         need_dx = any(need[:4])
-        need_da = need_dx or need[4] or need[5]  # anything below fc2 (fc1 weight/bias, norm, input)
+        need_dw1, need_db1, need_dw2, need_db2 = any(need[13:]), need[4], need[5], need[6]
+        need_da = need_dx or need_dw1 or need_db1  # anything below fc2 (fc1 weight/bias, norm, input)
         # fc2
-        dy2 = dout.reshape(-1, w2.shape[0])
-        dy8, dy8_t, dy_scale = quantize_tensor(dy2, E5M2, tri, write_row=need_da, write_t=need[6],
+        dy2 = dout.reshape(-1, fc2_like.shape[0])
+        dy8, dy8_t, dy_scale = quantize_tensor(dy2, E5M2, tri, write_row=need_da, write_t=need_dw2,
                                                amax=_gradient_amax(env, dout), tickets=env.tickets)
         dw2 = db2 = dp = p8_t = amax_da = None
-        if need[7] and ctx.b2_dtype is not None:
+        dw1 = (None,) * len(fc1_like.rows)
+        if need_db2 and ctx.b2_dtype is not None:
             db2 = dy2.float().sum(0).to(ctx.b2_dtype)
-        dx = dres = dnw = dnb = dw1 = db1 = None
+        dx = dres = dnw = dnb = db1 = None
         if need_da:  # fc2's dgrad first: the SwiGLU backward's amax pass then also writes fc2's wgrad operand p8_t
-            dp = fp8_gemm(dy8, _weight_transposed(w2, w2_scale, ctx.cache2, env), dy_scale, w2_scale, ctx.out_dtype)
-            del dy8
+            w2_t = _weight_transposed(ctx.cache2, fc2_like, fc2, w2_scale, tri)
+            dp = fp8_gemm(dy8, w2_t, dy_scale, w2_scale, ctx.out_dtype)
+            del dy8, w2_t
             if ctx.b1_dtype is None:  # d[gate | up] straight to E5M2 (a BF16 copy only if fc1 has a bias)
-                amax_da, p8_t = swiglu.swiglu_backward_amax(qa, ea, dp, tri, product_scale=p_scale if need[6] else None,
+                amax_da, p8_t = swiglu.swiglu_backward_amax(qa, ea, dp, tri, product_scale=p_scale if need_dw2 else None,
                                                             tickets=env.tickets)
-        if need[6]:
+        if need_dw2:
             if p8_t is None:
                 p8_t = swiglu.swiglu_cast(qa, ea, p_scale, tri, write_row=False, write_t=True)[1]
-            dw2 = fp8_gemm(dy8_t, p8_t, dy_scale, p_scale, w2.dtype)
+            dw2 = fp8_gemm(dy8_t, p8_t, dy_scale, p_scale, fc2_like.dtype)
             del p8_t
         del dy8_t
         if not need_da:
-            return dx, dres, dnw, dnb, dw1, db1, dw2, db2, None, None, None, None, None, None
+            return (dx, dres, dnw, dnb, db1, dw2, db2) + (None,) * 6 + dw1
         if ctx.b1_dtype is not None:
             da, amax_da = swiglu.swiglu_backward(qa, ea, dp, tri, tickets=env.tickets)
-            if need[5]:
+            if need_db1:
                 db1 = da.float().sum(0).to(ctx.b1_dtype)
-            da8, da8_t, da_scale = quantize_tensor(da, E5M2, tri, write_row=need_dx, write_t=need[4], amax=amax_da,
+            da8, da8_t, da_scale = quantize_tensor(da, E5M2, tri, write_row=need_dx, write_t=need_dw1, amax=amax_da,
                                                    tickets=env.tickets)
             del da
         else:
             da_scale = finalize_scale(amax_da, E5M2, tri)
-            da8, da8_t = swiglu.swiglu_backward_cast(qa, ea, dp, da_scale, tri, write_row=need_dx, write_t=need[4])
+            da8, da8_t = swiglu.swiglu_backward_cast(qa, ea, dp, da_scale, tri, write_row=need_dx, write_t=need_dw1)
         del dp
-        if need[4]:
+        if need_dw1:
             y8_t = norm_ops.norm_cast(q, e, mean, rstd, norm_weight, norm_bias, y_scale, tri,
                                       zero_centered=ctx.zero_centered, write_row=False, write_t=True)[1]
-            dw1 = fp8_gemm(da8_t, y8_t, da_scale, y_scale, w1.dtype)
+            dw1 = fc1_like.split(fp8_gemm(da8_t, y8_t, da_scale, y_scale, fc1_like.dtype))
             del y8_t, da8_t
         if need_dx:
-            dyn = fp8_gemm(da8, _weight_transposed(w1, w1_scale, ctx.cache1, env), da_scale, w1_scale, ctx.out_dtype)
-            del da8
+            w1_t = _weight_transposed(ctx.cache1, fc1_like, fc1, w1_scale, tri)
+            dyn = fp8_gemm(da8, w1_t, da_scale, w1_scale, ctx.out_dtype)
+            del da8, w1_t
             dres_in = dh.reshape(q.shape) if (ctx.has_residual and dh is not None) else None
             dx, dnw, dnb = _norm_input_grad(ctx, q, e, mean, rstd, norm_weight, norm_bias, dyn, dres_in)
             dres = dx if ctx.has_residual else None
-        return dx, dres, dnw, dnb, dw1, db1, dw2, db2, None, None, None, None, None, None
+        return (dx, dres, dnw, dnb, db1, dw2, db2) + (None,) * 6 + dw1
 
 
 def fp8_norm_swiglu_mlp(x, norm_weight, norm_bias, fc1_weight, fc2_weight, fc1_bias=None, fc2_bias=None, *,
@@ -113,7 +122,7 @@ def fp8_norm_swiglu_mlp(x, norm_weight, norm_bias, fc1_weight, fc2_weight, fc1_b
                         config: ActivationConfig | None = None, runtime: CoatRuntime | None = None,
                         fc1_cache: WeightCache | None = None, fc2_cache: WeightCache | None = None):
     """fc2(silu(gate) * up), [gate | up] = fc1(norm(h)), h = x (+ residual). Returns y, or (y, h) with a residual
-    (h as in fp8_add_norm_linear)."""
-    return _Fp8NormMLP.apply(x, residual, norm_weight, norm_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
+    (h as in fp8_add_norm_linear). fc1_weight may be row blocks, e.g. (gate_proj.weight, up_proj.weight)."""
+    return _Fp8NormMLP.apply(x, residual, norm_weight, norm_bias, fc1_bias, fc2_weight, fc2_bias,
                              _cache(fc1_cache, config, runtime), _cache(fc2_cache, config, runtime), norm, eps,
-                             zero_centered_gamma, _env(x, config, runtime))
+                             zero_centered_gamma, _env(x, config, runtime), *as_pieces(fc1_weight).tensors)

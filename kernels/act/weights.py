@@ -6,8 +6,11 @@ a `StepClock`, and shares them between the micro-batches of a step and between f
 ticked by the optimizer (a post-step hook, `StepClock.attach`): training engines write updated weights through
 `.data`, flat buffers or parameter gathers, none of which a tensor's version counter sees, so the step itself is the
 signal. A cache is keyed by (clock count, shape, dtype, device): the weight may be a new tensor at every forward
-(ZeRO-3 gathers, a concatenation of several projection weights) and still hit. After changing weights outside an
-optimizer step, call `StepClock.tick()` (or `WeightCache.invalidate()`).
+(ZeRO-3 gathers) and still hit. After changing weights outside an optimizer step, call `StepClock.tick()` (or
+`WeightCache.invalidate()`).
+
+`WeightPieces`: one GEMM weight given as row blocks of several tensors (separate q/k/v or gate/up projections that
+keep their own parameters): quantized as one tensor with one scale; concatenated only transiently, to quantize.
 """
 from __future__ import annotations
 
@@ -16,6 +19,36 @@ import torch
 from ..formats import E4M3
 from .scaling import ScaleTickets
 from .tensor_quant import cast, tensor_scale
+
+
+class WeightPieces:
+    """Row blocks [N_i, K] of one GEMM weight [sum N_i, K]."""
+
+    def __init__(self, tensors):
+        self.tensors = tuple(tensors)
+        first = self.tensors[0]
+        if any(t.dim() != 2 or t.shape[1] != first.shape[1] or t.dtype != first.dtype or t.device != first.device
+               for t in self.tensors):
+            raise ValueError("weight pieces must be 2-D with one in_features, dtype and device: got "
+                             f"{[(tuple(t.shape), t.dtype, str(t.device)) for t in self.tensors]}")
+        self.shape = (sum(t.shape[0] for t in self.tensors), first.shape[1])
+        self.dtype, self.device = first.dtype, first.device
+        self.rows = [t.shape[0] for t in self.tensors]
+
+    def joined(self) -> torch.Tensor:
+        """The whole weight (a transient copy when there are several pieces), detached."""
+        if len(self.tensors) == 1:
+            return self.tensors[0].detach()
+        return torch.cat([t.detach() for t in self.tensors], 0)
+
+    def split(self, grad: torch.Tensor) -> tuple:
+        """The gradient of the whole weight as one gradient per piece."""
+        return tuple(grad.split(self.rows, 0)) if len(self.tensors) > 1 else (grad,)
+
+
+def as_pieces(weight) -> WeightPieces:
+    return weight if isinstance(weight, WeightPieces) else WeightPieces(
+        [weight] if isinstance(weight, torch.Tensor) else weight)
 
 
 class StepClock:
@@ -41,8 +74,8 @@ class StepClock:
 
 
 class WeightCache:
-    """Per-tensor E4M3 copies of one weight made at one clock count: `rows` -> (w8 [N, K], scale), `transposed` ->
-    (w8_t [K, N], scale); both with the same scale."""
+    """Per-tensor E4M3 copies of one weight made at one clock count: `w8` [N, K] (forward) and `w8_t` [K, N16]
+    (dgrad), both with `scale`. Filled by `fill` in forward, so backward needs no BF16 weight."""
 
     def __init__(self, clock: StepClock):
         self.clock = clock
@@ -60,21 +93,17 @@ class WeightCache:
         have refilled it after a step)."""
         return self._key == self._key_of(weight) and self.scale is scale
 
-    def _refresh(self, weight, use_triton, tickets):
-        key = self._key_of(weight)
+    def fill(self, weight, use_triton: bool, tickets: ScaleTickets | None = None, transposed: bool = True):
+        """Quantize `weight` (a tensor or WeightPieces) unless the cache holds this clock count's copies:
+        -> (w8 [N, K], scale); with `transposed` the dgrad copy is made now too (from the same transient tensor)."""
+        pieces = as_pieces(weight)
+        key = self._key_of(pieces)
         if key != self._key:
             self.invalidate()
+            whole = pieces.joined()
+            self.scale = tensor_scale(whole, E4M3, use_triton, tickets)
+            self.w8, self.w8_t = cast(whole, self.scale, E4M3, use_triton, write_t=transposed)
             self._key = key
-            self.scale = tensor_scale(weight.detach(), E4M3, use_triton, tickets)
-
-    def rows(self, weight, use_triton: bool, tickets: ScaleTickets | None = None):
-        self._refresh(weight, use_triton, tickets)
-        if self.w8 is None:
-            self.w8, _ = cast(weight.detach(), self.scale, E4M3, use_triton)
+        elif transposed and self.w8_t is None:
+            _, self.w8_t = cast(pieces.joined(), self.scale, E4M3, use_triton, write_row=False, write_t=True)
         return self.w8, self.scale
-
-    def transposed(self, weight, use_triton: bool, tickets: ScaleTickets | None = None):
-        self._refresh(weight, use_triton, tickets)
-        if self.w8_t is None:
-            _, self.w8_t = cast(weight.detach(), self.scale, E4M3, use_triton, write_row=False, write_t=True)
-        return self.w8_t, self.scale
