@@ -2,16 +2,20 @@
 
 `import coat_ds` (or only installing the package: its start-up hook) registers the optimizer with DeepSpeed as soon
 as deepspeed is imported. The optimizer itself is engine-agnostic (coat_kernels.optim); `coat_ds.CoatFP8AdamW` adds
-what ZeRO partitions need (coat_ds.optimizer).
+what ZeRO partitions need (coat_ds.optimizer). FP8 activations for Hugging Face models: `convert_to_coat(model)`, or
+`"coat": {"fp8_activations": true}` in ds_config (coat_ds.ds_config, applied by coat_ds.engine_hooks).
 """
 import sys as _sys
 
 from coat_kernels.optim import OptimizerConfig
 
+from coat_kernels.act import ActivationConfig
+
 from . import _autoregister
+from .hf import convert_to_coat, coat_runtime
 from .optimizer import CoatFP8AdamW
 
-__all__ = ["CoatFP8AdamW", "OptimizerConfig"]
+__all__ = ["ActivationConfig", "CoatFP8AdamW", "OptimizerConfig", "coat_runtime", "convert_to_coat"]
 
 if "deepspeed" in _sys.modules:
     from .deepspeed_plugin import register_with_deepspeed

@@ -1,19 +1,25 @@
 """What coat_ds adds to every DeepSpeedEngine, whichever way it is built (`deepspeed.initialize`, accelerate, the HF
-Trainer): a check of the ds_config's optimizer type before DeepSpeed's own, so that a near miss of
-"CoatFP8AdamW" (a wrong case, a typo) fails with the right name instead of DeepSpeed's "is not a supported
-DeepSpeed Optimizer".
+Trainer), by wrapping `DeepSpeedEngine.__init__` once (idempotent; subclasses such as the pipeline and hybrid
+engines run it through `super().__init__`):
 
-`install(engine_cls)` wraps `DeepSpeedEngine.__init__` once (idempotent); subclasses (pipeline, hybrid engines)
-run it through `super().__init__`.
+- before DeepSpeed's own check of the ds_config's optimizer type, a near miss of "CoatFP8AdamW" (a wrong case, a
+  typo) fails with the right name instead of DeepSpeed's "is not a supported DeepSpeed Optimizer";
+- the `"coat"` section (coat_ds.ds_config): with `"fp8_activations": true` the model is converted
+  (coat_ds.hf.convert_to_coat) before DeepSpeed wraps and partitions it;
+- after the engine is built: the converted model's weight-cache clock ticks after every step of the engine's torch
+  optimizer, and under ZeRO-3 the parameters the COAT forwards read from submodules (q/k/v, gate/up, ... and the
+  LM head for the chunked loss) are registered with the module that reads them, so ZeRO-3 gathers them there.
 """
 from __future__ import annotations
 
 import difflib
 import functools
+import logging
 
 import torch
 
 OPTIMIZER_NAME = "CoatFP8AdamW"
+logger = logging.getLogger("coat_ds")
 
 
 def check_optimizer_type(name) -> None:
@@ -31,6 +37,43 @@ def check_optimizer_type(name) -> None:
                          f'did you mean "{OPTIMIZER_NAME}" (coat-fp8\'s FP8 AdamW; the name is case-sensitive)?')
 
 
+def convert_for_section(model, ds_config: dict | None, config_class) -> bool:
+    """Convert `model` when the ds_config's "coat" section asks for FP8 activations; returns whether it did."""
+    from .ds_config import parse_section
+
+    section = parse_section(ds_config)
+    if section is None or not section.fp8_activations:
+        return False
+    from .hf import convert_to_coat
+
+    stage = config_class.zero_optimization_stage if config_class is not None else 0
+    accumulation = config_class.gradient_accumulation_steps if config_class is not None else 1
+    convert_to_coat(model, section.activation_config(stage, accumulation or 1), chunked_loss=section.chunked_loss)
+    return True
+
+
+def finish_engine(engine) -> None:
+    """Tie a converted model's runtime to the engine's optimizer; ZeRO-3: register the parameters COAT reads."""
+    from .hf import CoatCausalLM, CoatDecoderLayer, coat_runtime
+
+    runtime = coat_runtime(getattr(engine, "module", None))
+    if runtime is None:
+        return
+    optimizer = getattr(engine, "basic_optimizer", None)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        runtime.attach_optimizer(optimizer)
+    if engine.zero_optimization_stage() == 3:
+        from deepspeed.runtime.zero import register_external_parameter
+
+        for module in engine.module.modules():
+            if isinstance(module, CoatDecoderLayer):
+                for child in module.children():
+                    for p in child.parameters():
+                        register_external_parameter(module, p)
+            elif isinstance(module, CoatCausalLM):
+                register_external_parameter(module, module.lm_head.weight)
+
+
 def install(engine_cls) -> None:
     original = engine_cls.__init__
     if getattr(original, "coat_fp8_wrapped", False):
@@ -41,7 +84,11 @@ def install(engine_cls) -> None:
         config_class = kwargs.get("config_class")
         if config_class is not None:
             check_optimizer_type(getattr(config_class, "optimizer_name", None))
+        model = kwargs.get("model", args[1] if len(args) > 1 else None)
+        if model is not None:
+            convert_for_section(model, kwargs.get("config"), config_class)
         original(self, *args, **kwargs)
+        finish_engine(self)  # also for a model converted by the user before deepspeed.initialize
 
     __init__.coat_fp8_wrapped = True
     engine_cls.__init__ = __init__

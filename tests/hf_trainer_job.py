@@ -2,7 +2,8 @@
 optimizer chosen only by ds_config. transformers and accelerate probe `importlib.util.find_spec("deepspeed")`
 before they import it; the probe is repeated here before anything else touches deepspeed.
 
-    python hf_trainer_job.py OUT_DIR MAX_STEPS [RESUME_CHECKPOINT]   -> prints one JSON line (losses per step)
+    python hf_trainer_job.py OUT_DIR MAX_STEPS [RESUME_CHECKPOINT] [--coat]   -> prints one JSON line (losses per step)
+--coat adds "coat": {"fp8_activations": true} to the ds_config: FP8 activations by configuration alone.
 """
 import faulthandler
 import importlib.util
@@ -36,7 +37,7 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def main(out_dir, max_steps, resume=None):
+def main(out_dir, max_steps, resume=None, coat=False):
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -46,16 +47,21 @@ def main(out_dir, max_steps, resume=None):
                  "gradient_clipping": auto, "bf16": {"enabled": auto}, "zero_optimization": {"stage": 2},
                  "optimizer": {"type": "CoatFP8AdamW",
                                "params": {"lr": auto, "betas": auto, "eps": auto, "weight_decay": auto}}}
+    if coat:
+        ds_config["coat"] = {"fp8_activations": True, "backend": "torch"}
     args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=4, max_steps=max_steps, save_steps=3,
                              logging_steps=1, learning_rate=1e-3, deepspeed=ds_config, report_to=[], use_cpu=True,
                              bf16=True, disable_tqdm=True)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens())
     trainer.train(resume_from_checkpoint=resume)
     losses = {int(h["step"]): h["loss"] for h in trainer.state.log_history if "loss" in h}
-    print(json.dumps({"optimizer": type(trainer.deepspeed.basic_optimizer).__name__,
+    converted = sum(type(m).__name__.startswith("Coat") and "DecoderLayer" in type(m).__name__
+                    for m in trainer.model.modules())
+    print(json.dumps({"optimizer": type(trainer.deepspeed.basic_optimizer).__name__, "converted_layers": converted,
                       "registered": getattr(torch.optim, "CoatFP8AdamW", None) is sys.modules["coat_ds"].CoatFP8AdamW,
                       "losses": losses}), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)
+    argv = [a for a in sys.argv[1:] if a != "--coat"]
+    main(argv[0], int(argv[1]), argv[2] if len(argv) > 2 else None, coat="--coat" in sys.argv)

@@ -1,0 +1,57 @@
+"""The `"coat"` section of a ds_config: COAT's FP8 activations switched on by configuration alone.
+
+    "coat": {"fp8_activations": true}
+    "coat": {"fp8_activations": true, "cache_weights": "auto", "fprop_fast_accum": false, "chunked_loss": true,
+             "backend": "auto"}
+
+fp8_activations: convert the model (a Hugging Face Llama-family decoder, coat_ds.hf) before DeepSpeed wraps it.
+cache_weights: keep both FP8 copies of each weight between optimizer steps ("auto": when gradient accumulation has
+more than one micro-batch per step and ZeRO is below stage 3, where the copies would undo ZeRO-3's partitioning);
+fprop_fast_accum, backend: coat_kernels.act.ActivationConfig; chunked_loss: the LM head + cross-entropy in chunks.
+Unknown keys and wrong types are errors naming the valid ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coat_kernels.act import ActivationConfig
+
+SECTION = "coat"
+KEYS = ("fp8_activations", "cache_weights", "fprop_fast_accum", "chunked_loss", "backend")
+
+
+@dataclass(frozen=True)
+class CoatSection:
+    fp8_activations: bool = False
+    cache_weights: bool | str = "auto"
+    fprop_fast_accum: bool = False
+    chunked_loss: bool = True
+    backend: str = "auto"
+
+    def __post_init__(self):
+        for name in ("fp8_activations", "fprop_fast_accum", "chunked_loss"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f'ds_config "coat": {name} must be true or false, got {getattr(self, name)!r}')
+        if self.cache_weights != "auto" and not isinstance(self.cache_weights, bool):
+            raise TypeError(f'ds_config "coat": cache_weights must be "auto", true or false, got '
+                            f"{self.cache_weights!r}")
+        ActivationConfig(backend=self.backend)  # validates the backend
+
+    def activation_config(self, zero_stage: int, gradient_accumulation_steps: int) -> ActivationConfig:
+        cache = self.cache_weights
+        if cache == "auto":
+            cache = gradient_accumulation_steps > 1 and zero_stage < 3
+        return ActivationConfig(backend=self.backend, fprop_fast_accum=self.fprop_fast_accum, cache_weights=cache)
+
+
+def parse_section(ds_config: dict | None) -> CoatSection | None:
+    """The ds_config's "coat" section, validated (None when there is none)."""
+    if not isinstance(ds_config, dict) or SECTION not in ds_config:
+        return None
+    section = ds_config[SECTION]
+    if not isinstance(section, dict):
+        raise TypeError(f'ds_config "coat" must be an object like {{"fp8_activations": true}}, got {section!r}')
+    unknown = sorted(set(section) - set(KEYS))
+    if unknown:
+        raise ValueError(f'ds_config "coat" has unknown key(s) {unknown}; valid: {", ".join(KEYS)}')
+    return CoatSection(**section)
