@@ -49,7 +49,8 @@ def run_arm(arm, args, micro_batch, steps, tag, port):
     text = open(log).read()
     summary = next((json.loads(line[8:]) for line in text.splitlines() if line.startswith("SUMMARY ")), None)
     if summary is not None:
-        summary.update(arm=arm, micro_batch=micro_batch, csv=csv)
+        curve = [tuple(float(v) for v in line.split(",")[:2]) for line in open(csv).read().splitlines()[1:]]
+        summary.update(arm=arm, micro_batch=micro_batch, csv=csv, curve=[(int(s), loss) for s, loss in curve])
         print(f"   {summary['tokens_per_s']:,.0f} tokens/s, peak {max(summary['peak_memory_gib']):.2f} GiB, "
               f"final loss {summary['final_loss']:.4f}", flush=True)
         return summary
@@ -102,6 +103,7 @@ def table(rows, base):
 
 
 def plot(rows, path):
+    """Loss curves of the runs with more than 50 steps (also: python hf_deepspeed_compare.py --plot results.json)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -111,13 +113,9 @@ def plot(rows, path):
         return
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for r in rows:
-        if "error" in r or not os.path.exists(r["csv"]):
+        if "error" in r:
             continue
-        steps, losses = [], []
-        for line in open(r["csv"]).read().splitlines()[1:]:
-            s, loss, *_ = line.split(",")
-            steps.append(int(s))
-            losses.append(float(loss))
+        steps, losses = [s for s, _ in r["curve"]], [loss for _, loss in r["curve"]]
         if len(steps) > 50:
             ax.plot(steps, losses, label=f"{r['arm']} (mb {r['micro_batch']})", linewidth=1)
     ax.set_xlabel("step")
@@ -144,7 +142,10 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--run-timeout", type=int, default=900)
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    p.add_argument("--plot", default=None, help="only draw loss.png from a results.json")
     args = p.parse_args(argv)
+    if args.plot:
+        return plot(json.load(open(args.plot)), os.path.join(os.path.dirname(args.plot), "loss.png"))
     os.makedirs(args.out, exist_ok=True)
     arms = [a for a in args.arms.split(",") if a]
     unknown = sorted(set(arms) - set(ARMS))
