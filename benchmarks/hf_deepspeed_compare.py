@@ -136,6 +136,8 @@ def main(argv=None):
     p.add_argument("--curve-arms", default="bf16,coat")
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--max-batch", action="store_true", help="also run each arm at its largest micro-batch")
+    p.add_argument("--max-batch-from", default=None,
+                   help="only the largest-batch runs, predicted from the rows of an earlier results.json")
     p.add_argument("--max-batch-steps", type=int, default=12)
     p.add_argument("--max-batch-tries", type=int, default=3)
     p.add_argument("--memory-fraction", type=float, default=0.96)
@@ -153,9 +155,13 @@ def main(argv=None):
         raise SystemExit(f"unknown arms {unknown}; choose from {sorted(ARMS)}")
     curve_arms = set(args.curve_arms.split(","))
     rows = []
-    for i, arm in enumerate(arms):
-        steps = args.curve_steps if arm in curve_arms else args.steps
-        rows.append(run_arm(arm, args, args.micro_batch, steps, "fixed", 29600 + i))
+    if args.max_batch_from:
+        rows = [r for r in json.load(open(args.max_batch_from)) if r.get("arm") in arms and "error" not in r]
+        args.max_batch = True
+    else:
+        for i, arm in enumerate(arms):
+            steps = args.curve_steps if arm in curve_arms else args.steps
+            rows.append(run_arm(arm, args, args.micro_batch, steps, "fixed", 29600 + i))
     if args.max_batch:
         for i, first in enumerate(list(rows)):
             if "error" not in first:
