@@ -1,9 +1,10 @@
 """CoatFP8AdamW: AdamW whose two moments live in FP8 with per-group Dynamic Range Expansion (COAT).
 
 A drop-in for torch.optim.AdamW (decoupled weight decay, t counted from 1) that knows no training engine.
-Parameters are the fp32 (or bf16) master weights; gradients fp32, bf16 or fp16. CUDA tensors are stepped by one
-fused Triton launch per param group and dtype pair; CPU tensors by the PyTorch reference of the same math
-(backend="triton" forces the kernel, which then runs under TRITON_INTERPRET=1). Both give the same bits.
+Parameters are the fp32 (or bf16) master weights; gradients fp32, bf16 or fp16. backend="auto": CUDA tensors are
+stepped by one fused Triton launch per param group and dtype pair, CPU tensors by the C++ step (coat_kernels.optim.
+cpu_step; the torch reference when it cannot be built); backend="torch": the PyTorch reference of the same math on any
+device; backend="triton": the kernel (on CPU tensors under TRITON_INTERPRET=1). All give the same bits.
 
 COAT options: `OptimizerConfig` (coat_kernels.optim.config), given as `config=` and/or keyword arguments; the
 per-group ones (formats, expansion, group size, expand_min, k_max) are stored in each param group like lr.
@@ -176,6 +177,8 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         for (use_triton, device, *_), items in by_kernel.items():
             if use_triton:
                 self._launch(device, items, m_cfg, v_cfg)
+            elif device.type == "cpu" and self.config.backend == "auto":
+                self._counter(device).add_(_cpu_step(items, m_cfg, v_cfg))
             else:
                 self._counter(device).add_(_reference_step(items, m_cfg, v_cfg))
 
@@ -293,6 +296,19 @@ class _StepPlan:
 @lru_cache(maxsize=256)
 def _group_config(base: OptimizerConfig, values: tuple) -> OptimizerConfig:
     return base.replace(**{name: value for name, (_, value) in zip(GROUP_OPTION_NAMES, values)})
+
+
+def _cpu_step(items, m_cfg, v_cfg) -> torch.Tensor:
+    """CPU tensors: the C++ step, one call per tensor (the torch reference when the library cannot be built)."""
+    from . import cpu_step
+
+    if cpu_step.library() is None:
+        return _reference_step(items, m_cfg, v_cfg)
+    skipped = torch.zeros((), dtype=torch.int64)
+    for p, grad, st, layout, scalars in items:
+        skipped += cpu_step.fused_adamw_step(p, grad, st["exp_avg_q"], st["exp_avg_meta"], st["exp_avg_sq_q"],
+                                             st["exp_avg_sq_meta"], layout, scalars, m_cfg, v_cfg)
+    return skipped
 
 
 def _reference_step(items, m_cfg, v_cfg) -> torch.Tensor:

@@ -1,0 +1,123 @@
+"""The fused COAT AdamW step for CPU tensors: `cpu_adamw.cpp`, built on first use, bit-exact with the torch reference.
+
+`fused_adamw_step` has `dre_reference.fused_adamw_step`'s signature and results (the same bits: parameters, codes,
+metadata, skipped groups). The library is built with the system C++ compiler (`-O3 -march=native -ffp-contract=off
+-fopenmp`: vectorized for this CPU, no fused multiply-add but the explicit ones) into ~/.cache/coat_fp8 (a temporary
+directory when that is not writable), keyed by the source, the flags and the compiler, and loaded through ctypes; a
+build takes a few seconds once per machine. Without a working compiler the step falls back to the torch reference,
+with one warning. Threads: torch.get_num_threads().
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+import weakref
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from . import dre_reference as reference
+from .dre_reference import AdamWScalars, DREConfig
+from .grouping import GroupLayout
+
+SOURCE = Path(__file__).with_name("cpu_adamw.cpp")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+_PARAM_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+_GRAD_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _cache_dir() -> Path:
+    home = Path.home() / ".cache" / "coat_fp8"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir())
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile the library (if not cached) and return its path; raises on failure."""
+    compiler = compiler or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    path = _cache_dir() / f"coat_cpu_adamw-{key}.so"
+    if not path.exists():
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"building {SOURCE.name} failed:\n{proc.stderr[-2000:]}")
+        os.replace(tmp, path)  # atomic: concurrent builds (several ranks) each produce the same file
+    return path
+
+
+@lru_cache(maxsize=1)
+def library():
+    """The loaded library, or None (the build failed: one warning, and the reference is used)."""
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except Exception as exc:  # no compiler, a failed build or load: the reference still works
+        warnings.warn(f"coat-fp8: the fast CPU optimizer step is unavailable ({exc}); CPU tensors use the torch "
+                      "reference step (same results, much slower)", RuntimeWarning, stacklevel=2)
+        return None
+    lib.coat_fused_adamw_step.restype = ctypes.c_int64
+    return lib
+
+
+_BOUNDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layout -> (starts, lengths): made once each
+
+
+def _bounds(layout: GroupLayout):
+    bounds = _BOUNDS.get(layout)
+    if bounds is None:
+        starts, lengths = layout.group_bounds()
+        if len(lengths) and int(lengths.max()) > library().coat_max_group():
+            raise ValueError(f"the CPU step supports groups of at most {library().coat_max_group()} elements")
+        bounds = _BOUNDS[layout] = (starts.contiguous(), lengths.contiguous())
+    return bounds
+
+
+def _moment_args(cfg: DREConfig):
+    fmt = cfg.fmt
+    consts = torch.tensor([cfg.log2_max, cfg.expand_numerator, cfg.inv_expand_min, reference.f32(cfg.k_max),
+                           fmt.max, fmt.min_subnormal], dtype=torch.float32)
+    ints = torch.tensor([int(cfg.expand), int(cfg.keep_nonzero), fmt.mantissa_bits, fmt.min_normal_exp,
+                         1 - fmt.min_normal_exp], dtype=torch.int32)
+    return consts, ints, fmt.log2_table("cpu")
+
+
+def _ptr(t: torch.Tensor):
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def fused_adamw_step(param, grad, m_codes, m_meta, v_codes, v_meta, layout: GroupLayout, h: AdamWScalars,
+                     m_cfg: DREConfig, v_cfg: DREConfig, skip_nonfinite: bool = True) -> torch.Tensor:
+    """dre_reference.fused_adamw_step, for CPU tensors (see the module docstring)."""
+    lib = library()
+    if lib is None or param.dtype not in _PARAM_KINDS or not all(
+            t.is_contiguous() for t in (param, m_codes, m_meta, v_codes, v_meta)):
+        return reference.fused_adamw_step(param, grad, m_codes, m_meta, v_codes, v_meta, layout, h, m_cfg, v_cfg,
+                                          skip_nonfinite)
+    grad = grad.reshape(-1)
+    if grad.dtype not in _GRAD_KINDS:
+        grad = grad.float()
+    grad = grad.contiguous()
+    starts, lengths = _bounds(layout)
+    scalars = torch.tensor([getattr(h, f) for f in AdamWScalars.__dataclass_fields__], dtype=torch.float32)
+    (m_consts, m_ints, m_table), (v_consts, v_ints, v_table) = _moment_args(m_cfg), _moment_args(v_cfg)
+    skipped = lib.coat_fused_adamw_step(
+        _ptr(param), _PARAM_KINDS[param.dtype], _ptr(grad), _GRAD_KINDS[grad.dtype], _ptr(m_codes), _ptr(m_meta),
+        _ptr(v_codes), _ptr(v_meta), _ptr(starts), _ptr(lengths), ctypes.c_int64(layout.num_groups), _ptr(scalars),
+        _ptr(m_consts), _ptr(m_ints), _ptr(v_consts), _ptr(v_ints), _ptr(m_table), _ptr(v_table),
+        int(skip_nonfinite), torch.get_num_threads())
+    return torch.tensor(skipped, dtype=torch.int64)
