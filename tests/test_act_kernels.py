@@ -104,6 +104,26 @@ def test_per_tensor_scale_and_cast_with_transpose():
         assert same(a[1][:, :37].t(), a[0])
 
 
+def test_cast_of_an_fp32_source_writes_both_copies_like_the_reference():
+    x = spread(37, 48, seed=3).float() * (1 + 2 ** -12)  # fp32 values that are not bf16 values
+    s = TQ.tensor_scale_reference(x, E4M3)
+    for fmt in (E4M3, E5M2):
+        a = TQ.cast(x, s, fmt, True, write_t=True)
+        b = TQ.cast(x, s, fmt, False, write_t=True)
+        assert close_fp8(a[0], b[0]) and close_fp8(a[1], b[1])
+        assert same(a[1][:, :37].t(), a[0])
+
+
+def test_norm_residual_sum_keeps_the_promoted_dtype():
+    m, h = 9, 64
+    x, w = spread(m, h, seed=4) * 0.01, torch.ones(h).bfloat16()
+    r = torch.randn(m, h) * (1 + 2 ** -12)  # an fp32 residual stream under BF16 blocks
+    ref = N.norm_forward(x, w, None, False, residual=r)
+    tri = N.norm_forward(x, w, None, True, residual=r)
+    assert ref[0].dtype == tri[0].dtype == torch.float32
+    assert torch.allclose(tri[0], ref[0], rtol=0, atol=1e-6) and torch.equal(ref[0], x.float() + r)
+
+
 def test_stage_one_partials_across_programs_and_special_values():
     x = torch.randn(40000)
     x[12345] = 77.0

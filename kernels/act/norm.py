@@ -237,7 +237,9 @@ def norm_forward(x2d, weight, bias, use_triton: bool, *, residual=None, kind="rm
         return hsum, q, e, mean, rstd, StageOneAmax(partials)
     dev = x2d.device
     x2d = x2d.contiguous()
-    hsum = torch.empty_like(x2d) if residual is not None else None
+    # x + residual in their promoted dtype, as torch adds them (BF16 blocks on an fp32 residual stream keep it fp32)
+    hsum = torch.empty(m, h, dtype=torch.promote_types(x2d.dtype, residual.dtype), device=dev) \
+        if residual is not None else None
     q = torch.empty(m, h, dtype=E4M3.dtype, device=dev)
     e = torch.empty(m, h // GROUP, dtype=SCALE_DTYPE, device=dev)
     mean = None if is_rms else torch.empty(m, dtype=torch.float32, device=dev)

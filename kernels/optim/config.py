@@ -24,8 +24,8 @@ class OptimizerConfig:
     Expansion on the moment (else plain per-group scaling). group_size: elements per quantization group.
     expand_min: the expansion exponent k is a multiple of 1 / expand_min. k_max: cap on k.
     nonfinite: "skip_group" (a group whose gradient holds NaN/Inf keeps its parameters and moments) or "error"
-    (the same, then FloatingPointError). backend: "auto" (Triton kernel for CUDA tensors, reference on the CPU),
-    "triton" or "torch"."""
+    (the same, then FloatingPointError). backend: "auto" (Triton kernel for CUDA tensors, the C++ step for CPU
+    tensors), "triton" or "torch" (the bit-exact torch reference everywhere)."""
 
     exp_avg_format: str = "e4m3"
     exp_avg_sq_format: str = "e4m3"
