@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Side-by-side GPT pretraining with coat_megatron.pretrain_gpt, same batch, data and seed in every arm.
-# Usage: [ARMS="..."] [NGPUS=n] bash launch/megatron_compare.sh OUT_DIR [TRAIN_ITERS]
+# Usage: [ARMS="..."] [NGPUS=n] [DATA=corpus|mock] bash launch/megatron_compare.sh OUT_DIR [TRAIN_ITERS]
+# DATA=corpus (default): the Python standard library corpus (launch/corpus.py) written as Megatron indexed
+#   datasets by launch.megatron_data (train / validation split by file, its byte-level BPE of 8192 tokens through
+#   HuggingFaceTokenizer), validation loss on 20 batches at the end; DATA=mock: Megatron's mock data, vocab 32000.
 # Arms (ARMS picks a subset; default all, in this order):
 #   local_bf16_tp1       BF16 `local` spec, Megatron's Adam (torch AdamW without TE/apex)   1 GPU
 #   coat_tp1             `coat` FP8 layers + COAT FP8 optimizer (--coat-optimizer)          1 GPU
@@ -11,7 +14,7 @@
 # arms (BF16 and FP8 tensorwise) are added when TE imports. Every arm uses the distributed optimizer; each log
 # ends with the optimizer-state bytes and the peak memory of every rank.
 # MODEL=gpt370m (default): 24 layers, hidden 1024, 16 heads, SwiGLU FFN 2816; MODEL=gpt1b: 16 layers, hidden 2048,
-# 16 heads, FFN 5632 (~0.95B parameters). Both: RMSNorm, RoPE, vocab 32000, seq 1024, micro-batch 8 (8192
+# 16 heads, FFN 5632 (~0.95B parameters). Both: RMSNorm, RoPE, seq 1024, micro-batch 8 (8192
 # tokens/iteration), Megatron's attention core with selective recompute of core_attn.
 set -euo pipefail
 OUT=${1:?usage: megatron_compare.sh OUT_DIR [TRAIN_ITERS]}
@@ -34,8 +37,15 @@ COMMON=("${SIZE[@]}"
   --recompute-granularity selective --use-distributed-optimizer
   --no-gradient-accumulation-fusion --no-rope-fusion --no-masked-softmax-fusion --no-bias-swiglu-fusion
   --no-bias-dropout-fusion --no-persist-layer-norm
-  --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
-  --log-interval 10 --log-throughput --eval-iters 0 --eval-interval 100000)
+  --log-interval 10 --log-throughput)
+case ${DATA:-corpus} in
+  corpus)
+    DATA_LINE=$(python3 -m launch.megatron_data --out "$OUT/data")
+    read -r -a DATA_ARGS <<< "$DATA_LINE"
+    COMMON+=("${DATA_ARGS[@]}" --eval-iters 20 --eval-interval "$ITERS") ;;
+  mock) COMMON+=(--mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --eval-iters 0 --eval-interval 100000) ;;
+  *) echo "unknown DATA ${DATA}" >&2; exit 2 ;;
+esac
 
 ALL_ARMS="local_bf16_tp1 coat_tp1 coat_torchadam_tp1 local_coatadam_tp1 coat_tp2_sp"
 if python3 -c "import transformer_engine.pytorch" 2>/dev/null; then
@@ -86,5 +96,5 @@ done
 wait
 for f in "$OUT"/*.log; do
   echo "--- $f"
-  grep -E "iteration +[0-9]+/|optimizer state|peak memory|memory \\(MB\\)|Error|error" "$f" | tail -25
+  grep -E "iteration +[0-9]+/|validation loss|optimizer state|peak memory|memory \\(MB\\)|Error|error" "$f" | tail -25
 done

@@ -50,6 +50,9 @@ def test_norm_linear_on_fp32_activations_matches_reference(x_dtype, w_dtype, cac
 
 
 def test_hf_llama_with_fp32_master_weights_trains_like_the_reference():
+    """fp32 master weights under bf16 autocast (what the Trainer does without DeepSpeed): the Triton path's gradients
+    are as close to the unquantized model's as the torch reference path's (both carry FP8 noise; a bug shows as a
+    multiple of it)."""
     transformers = pytest.importorskip("transformers")
     from coat_ds import convert_to_coat
 
@@ -59,13 +62,17 @@ def test_hf_llama_with_fp32_master_weights_trains_like_the_reference():
     torch.manual_seed(0)
     base = transformers.LlamaForCausalLM(cfg).cuda()
     x = torch.randint(0, 2048, (4, 256), device="cuda")
-    grads = {}
-    for backend in ("triton", "torch"):
-        model = convert_to_coat(copy.deepcopy(base), ActivationConfig(backend=backend))
+
+    def grads(model):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             model(input_ids=x, labels=x).loss.backward()
-        grads[backend] = {n: p.grad for n, p in model.named_parameters()}
-    for name, g in grads["triton"].items():
-        r = grads["torch"][name]
-        assert torch.isfinite(g).all(), name
-        assert ((g.float() - r.float()).norm() / r.float().norm()).item() < 0.05, name
+        return {n: p.grad.float() for n, p in model.named_parameters()}
+
+    exact = grads(copy.deepcopy(base))
+    errors = {}
+    for backend in ("triton", "torch"):
+        g = grads(convert_to_coat(copy.deepcopy(base), ActivationConfig(backend=backend)))
+        assert all(torch.isfinite(t).all() for t in g.values()), backend
+        errors[backend] = {n: ((g[n] - exact[n]).norm() / exact[n].norm()).item() for n in g}
+    table = "\n".join(f"{n}: triton {errors['triton'][n]:.4f} torch {errors['torch'][n]:.4f}" for n in exact)
+    assert all(errors["triton"][n] <= 1.25 * errors["torch"][n] + 0.01 for n in exact), table

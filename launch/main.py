@@ -1,0 +1,276 @@
+"""The main job: what COAT does on real text. A small Llama (Hugging Face `LlamaForCausalLM`) is trained twice from
+one initialisation, on the same batches of the Python standard library's sources and docs (launch/corpus.py):
+
+  BF16: bf16 autocast over fp32 master weights, torch.optim.AdamW;
+  COAT: the same model converted with coat_ds.convert_to_coat (everything the decoder layers save for backward is
+        FP8) and CoatFP8AdamW (both moments FP8).
+
+At the end: one table (validation loss and perplexity of both, the relative gap, tokens/s, optimizer-state bytes, bytes
+saved for backward measured on one micro-batch, peak GPU memory on a GPU) and a PNG of the curves, both in --out.
+On a CPU-only machine a small default finishes both arms in about three minutes on two cores (the torch references
+of the FP8 kernels, CoatFP8AdamW's C++ step); with a GPU a bigger default and the Triton kernels.
+
+    python -m launch.main [--steps N] [--device cpu|cuda] [--out runs/main] [--size small|gpu|parity] [--stdlib DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import time
+import warnings
+from dataclasses import asdict, dataclass
+
+import torch
+
+from launch import corpus as corpus_lib
+
+SIZES = {  # model and run defaults
+    "small": dict(hidden=128, layers=4, heads=4, kv_heads=2, ffn=352, vocab=4096, seq=128, batch=16, steps=200,
+                  lr=3e-3, eval_every=25, eval_batches=8),
+    "gpu": dict(hidden=768, layers=12, heads=12, kv_heads=4, ffn=2048, vocab=8192, seq=1024, batch=8, steps=600,
+                lr=1e-3, eval_every=100, eval_batches=16),
+    # the loss-parity model (launch/loss_parity.py): about 150M parameters, ~2.5 epochs of the corpus in 2,000 steps
+    "parity": dict(hidden=1024, layers=12, heads=16, kv_heads=4, ffn=2816, vocab=8192, seq=512, batch=8, steps=2000,
+                   lr=6e-4, eval_every=100, eval_batches=32),
+}
+
+
+@dataclass
+class ArmResult:
+    name: str
+    train: list  # (step, loss)
+    val: list  # (step, loss)
+    tokens_per_s: float
+    optimizer_state_bytes: int
+    saved_bytes: dict  # dtype -> bytes saved for backward by one micro-batch (parameters excluded)
+    peak_gib: float | None
+    seconds: float
+
+
+def build_model(args, vocab):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa")
+    torch.manual_seed(args.seed)
+    return LlamaForCausalLM(cfg)
+
+
+def lr_at(step, args):
+    warmup = max(1, args.steps // 20)
+    if step < warmup:
+        return args.lr * (step + 1) / warmup
+    return args.lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, args.steps - warmup)))
+
+
+def saved_for_backward(model, tokens, device):
+    """Bytes saved for backward by one forward, by dtype; parameters and duplicate storages counted once / not."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen, counts = set(), {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr() if t.device.type != "meta" else None
+        if ptr is not None and ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            key = str(t.dtype).replace("torch.", "")
+            counts[key] = counts.get(key, 0) + t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(device):
+        out = model(input_ids=tokens, labels=tokens)
+    del out
+    return counts
+
+
+def _autocast(device):
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def evaluate(model, batches, device):
+    """Mean next-token loss over the validation windows (the model's own loss, as in training)."""
+    model.eval()
+    total = 0.0
+    with torch.no_grad(), _autocast(device):
+        for b in batches:
+            b = b.to(device)
+            total += model(input_ids=b, labels=b).loss.float().item()
+    model.train()
+    return total / len(batches)
+
+
+ARMS = {  # arm -> label
+    "bf16": "BF16",
+    "coat_optim": "COAT optimizer",
+    "coat_act": "COAT activations",
+    "coat": "COAT",
+    "torchao": "torchao float8",
+}
+
+
+def make_arm(arm, base, args, device):
+    """(model, optimizer) of one arm, the model a copy of `base` on `device`. bf16: torch AdamW; coat_optim:
+    CoatFP8AdamW; coat_act: the decoder layers on FP8 activations (convert_to_coat) with torch AdamW; coat: both;
+    torchao: torchao's convert_to_float8_training (tensorwise scaling, LM head left in BF16) with torch AdamW."""
+    from coat_ds import ActivationConfig, CoatFP8AdamW, coat_runtime, convert_to_coat
+
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}; choose from {sorted(ARMS)}")
+    model = copy.deepcopy(base).to(device)
+    if arm in ("coat_act", "coat"):
+        model = convert_to_coat(model, ActivationConfig())
+    if arm == "torchao":
+        from torchao.float8 import convert_to_float8_training
+
+        convert_to_float8_training(model, module_filter_fn=lambda module, name: name != "lm_head")
+    options = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    if arm in ("coat_optim", "coat"):
+        optimizer = CoatFP8AdamW(model.parameters(), **options)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), **options,
+                                      **({"fused": True} if device.type == "cuda" else {"foreach": True}))
+    if arm in ("coat_act", "coat"):
+        coat_runtime(model).attach_optimizer(optimizer)
+    return model, optimizer
+
+
+def run_arm(name, model, optimizer, batches, val_batches, args, device, show_progress, on_eval=None,
+            compile_layers=False):
+    """Train `model` on `batches`, evaluating every args.eval_every steps; on_eval(train, val) after each;
+    compile_layers: each decoder layer under torch.compile (after measuring what one forward saves)."""
+    from tqdm import tqdm
+
+    model.to(device).train()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    saved = saved_for_backward(model, batches[0].to(device), device)
+    if compile_layers:  # after the measurement: saved-tensor hooks would break the compiled graphs
+        for layer in model.model.layers:
+            layer.compile()
+    train, val, train_seconds = [], [], 0.0
+    bar = tqdm(range(args.steps), desc=f"{name:>4}", disable=not show_progress, dynamic_ncols=True)
+    start = time.time()
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
+        tokens = batches[step].to(device)
+        t0 = time.perf_counter()
+        with _autocast(device):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = loss.item()
+        train_seconds += time.perf_counter() - t0
+        train.append((step + 1, loss_value))
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            val.append((step + 1, evaluate(model, val_batches, device)))
+            if on_eval is not None:
+                on_eval(train, val)
+        tokens_per_s = (step + 1) * tokens.numel() / train_seconds
+        bar.set_postfix(loss=f"{loss_value:.3f}", val=f"{val[-1][1]:.3f}" if val else "-",
+                        tok_s=f"{tokens_per_s:,.0f}")
+    state = optimizer.state_bytes() if hasattr(optimizer, "state_bytes") else sum(
+        t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+    peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None
+    return ArmResult(name, train, val, tokens_per_s, state, saved, peak, time.time() - start)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--size", choices=sorted(SIZES), default=None, help="defaults: small on CPU, gpu on CUDA")
+    for key in SIZES["small"]:
+        ap.add_argument("--" + key.replace("_", "-"), type=type(SIZES["small"][key]), default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stdlib", default=None, help="train on the .py files under this directory instead of this "
+                                                  "Python's standard library (the pydoc topics stay)")
+    ap.add_argument("--out", default=os.path.join("runs", "main"))
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    size = SIZES[args.size or ("gpu" if device.type == "cuda" else "small")]
+    for key, value in size.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+    data = corpus_lib.load(vocab_size=args.vocab, stdlib=args.stdlib)
+    batches_src = corpus_lib.Batches(data, args.seq, args.batch, seed=args.seed)
+    batches = [batches_src.train_batch() for _ in range(args.steps)]
+    val_batches = batches_src.val_batches(args.eval_batches)
+    print(f"corpus ready in {time.time() - t0:.1f} s: {len(data.train):,} training tokens, {len(data.val):,} "
+          f"validation tokens, vocabulary {data.vocab_size}; device {device}", flush=True)
+
+    base = build_model(args, data.vocab_size)
+    n_params = sum(p.numel() for p in base.parameters())
+    print(f"model: Llama, {n_params / 1e6:.2f}M parameters ({args.layers} layers, hidden {args.hidden}); "
+          f"{args.steps} steps of {args.batch} x {args.seq} tokens", flush=True)
+    results = []
+    for arm in ("bf16", "coat"):
+        model, optimizer = make_arm(arm, base, args, device)
+        results.append(run_arm(ARMS[arm], model, optimizer, batches, val_batches, args, device,
+                               not args.no_progress))
+        del model, optimizer
+    report(results, args, device, n_params)
+
+
+def report(results, args, device, n_params):
+    bf16, coat = results
+    gap = (coat.val[-1][1] - bf16.val[-1][1]) / bf16.val[-1][1] * 100
+    lines = [f"| | BF16 + AdamW | COAT (FP8 activations + CoatFP8AdamW) |", "|---|---|---|"]
+
+    def row(label, f):
+        lines.append(f"| {label} | {f(bf16)} | {f(coat)} |")
+
+    row("validation loss", lambda r: f"{r.val[-1][1]:.4f}")
+    row("validation perplexity", lambda r: f"{math.exp(r.val[-1][1]):.2f}")
+    lines.append(f"| gap (COAT vs BF16) | | {gap:+.2f}% |")
+    row("tokens/s", lambda r: f"{r.tokens_per_s:,.0f}")
+    row("optimizer state", lambda r: f"{r.optimizer_state_bytes / 2**20:.2f} MiB "
+                                     f"({r.optimizer_state_bytes / n_params:.2f} B/param)")
+    row("saved for backward (one micro-batch)",
+        lambda r: f"{sum(r.saved_bytes.values()) / 2**20:.1f} MiB ("
+                  + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in sorted(r.saved_bytes.items())) + ")")
+    if device.type == "cuda":
+        row("peak GPU memory", lambda r: f"{r.peak_gib:.2f} GiB")
+    row("wall time (incl. evaluation)", lambda r: f"{r.seconds:.0f} s")
+    table = "\n".join(lines)
+    print("\n" + table, flush=True)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(table + "\n")
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(dict(args=vars(args), results=[asdict(r) for r in results]), f, indent=1)
+    plot(results, os.path.join(args.out, "curves.png"))
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r, color in zip(results, ("C0", "C3")):
+        steps, losses = zip(*r.train)
+        window = max(1, len(losses) // 30)
+        smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
+                  for i in range(len(losses))]
+        ax.plot(steps, smooth, color=color, alpha=0.6, label=f"{r.name} train (smoothed)")
+        ax.plot(*zip(*r.val), "o-", color=color, label=f"{r.name} validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("Llama on the Python standard library")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"curves: {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
