@@ -5,7 +5,8 @@
     python launch/train_ds.py --ds-config configs/ds_zero2_coat.json --model tiny --steps 20     # CPU smoke run
 
 Prints per step: loss (mean over ranks), step time, tokens/s; after the first step the optimizer-state bytes of
-every rank; at the end peak memory per rank and a JSON summary line (`SUMMARY {...}`). `--csv` writes the curve.
+every rank; at the end peak memory per rank and a JSON summary line (`SUMMARY {...}`: also the median time of
+`engine.step()` alone and rank 0's peak CPU resident set, which holds the optimizer states under ZeRO-Offload). `--csv` writes the curve.
 The optimizer, ZeRO stage and precision come from the DeepSpeed config; this script only sets the batch sizes
 (`--global-batch` sequences per step, split over the data-parallel ranks) and, with `--lr`, the peak learning rate.
 
@@ -145,7 +146,7 @@ def main(argv=None):
               f"{type(engine.optimizer).__name__}, device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}",
               flush=True)
 
-    rows, step_times = [], []
+    rows, step_times, optimizer_times = [], [], []
     csv = open_csv(args.csv) if rank == 0 and args.csv else None
     memory = {}
     for step in range(args.steps):
@@ -158,8 +159,11 @@ def main(argv=None):
         start = time.perf_counter()
         loss = engine(input_ids=tokens[:, :-1], labels=tokens[:, 1:].contiguous()).loss
         engine.backward(loss)
+        sync(device)
+        optimizer_start = time.perf_counter()
         engine.step()
         sync(device)
+        optimizer_times.append(time.perf_counter() - optimizer_start)
         step_s = time.perf_counter() - start
         mean_loss = loss.detach().float().clone()
         dist.all_reduce(mean_loss)
@@ -189,11 +193,14 @@ def main(argv=None):
                        first_loss=rows[0][1], final_loss=rows[-1][1],
                        mean_loss_last10=statistics.fmean(r[1] for r in rows[-10:]),
                        median_step_ms=median_s * 1e3, tokens_per_s=tokens_per_step / median_s,
+                       median_optimizer_step_ms=statistics.median(optimizer_times[min(10, len(step_times) // 2):]) * 1e3,
+                       cpu_peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20,
                        peak_memory_gib=[b / 2 ** 30 for b in peaks],
                        optimizer_state_bytes=[s["state_bytes"] for s in states],
                        stepped_numel=[s["stepped_numel"] for s in states],
                        state_bytes_per_element=[round(s["bytes_per_element"], 4) for s in states],
-                       memory_breakdown_gib=breakdown(memory, weight_bytes, states[0]["state_bytes"]))
+                       memory_breakdown_gib=breakdown(memory, weight_bytes,
+                                                      0 if offloaded(config) else states[0]["state_bytes"]))
         for r in range(world):
             print(f"[train_ds] rank {r}: peak memory {peaks[r] / 2 ** 30:.2f} GiB, optimizer state "
                   f"{states[r]['state_bytes'] / 2 ** 30:.3f} GiB", flush=True)
@@ -215,10 +222,15 @@ def apply_peer_options(model, args):
             layer.compile()
 
 
+def offloaded(config: dict) -> bool:
+    """Whether ZeRO keeps the optimizer (master weights and states) in CPU memory or on NVMe."""
+    return (config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none") != "none"
+
+
 def breakdown(memory: dict, weight_bytes: int, optimizer_state_bytes: int) -> dict:
-    """Rank 0's memory in GiB, measured: bf16 weights; optimizer state (moments and metadata); the other model
-    states held between steps (fp32 master partition, gradient buffers); what one step adds at its peak
-    (activations saved for backward, logits, temporaries)."""
+    """Rank 0's GPU memory in GiB, measured: bf16 weights; optimizer state on the GPU (moments and metadata; 0 when
+    offloaded); the other model states held between steps (fp32 master partition unless offloaded, gradient
+    buffers); what one step adds at its peak (activations saved for backward, logits, temporaries)."""
     if "before_forward" not in memory:
         return {}
     gib = 2.0 ** 30
