@@ -28,8 +28,8 @@ def add_coat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action.choices = tuple(action.choices) + (COAT_IMPL,)
     group = parser.add_argument_group("COAT (--transformer-impl coat)")
     group.add_argument("--coat-attention", choices=ATTENTION_BACKENDS, default="auto",
-                       help="attention core of the COAT spec (BF16): auto = TE if importable, else Megatron's "
-                            "DotProductAttention on CUDA, else torch SDPA")
+                       help="attention core of the COAT spec (BF16): auto = TE if importable, else torch SDPA "
+                            "(flash / cuDNN kernels on CUDA); megatron = Megatron's unfused DotProductAttention")
     group.add_argument("--coat-fprop-fast-accum", action="store_true",
                        help="forward FP8 GEMMs with Hopper's fast accumulation (no periodic fp32 promotion), as "
                             "TransformerEngine's fprop does; gradient GEMMs keep fp32 promotion. Off: COAT's fp32 "

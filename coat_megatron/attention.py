@@ -1,11 +1,11 @@
 """Attention core for the COAT spec: COAT keeps attention in BF16, so this picks an existing implementation.
 
-"auto": TransformerEngine's DotProductAttention when TE imports, else Megatron's DotProductAttention on CUDA,
-else torch SDPA (Megatron's allocates its softmax buffer on CUDA and so cannot run on a CPU-only torch).
+"auto": TransformerEngine's DotProductAttention when TE imports, else torch SDPA (its flash / cuDNN / memory-efficient
+kernels on CUDA, the math kernel on the CPU). Megatron's own DotProductAttention materialises the full score matrix
+and runs an unfused softmax: only when asked for ("megatron"; CUDA only, it allocates its softmax buffer there).
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -58,7 +58,7 @@ def core_attention_class(backend: str = "auto"):
             return TEDotProductAttention
         if backend == "te":
             raise ImportError("attention backend 'te' asked for, but TransformerEngine is not importable")
-    if backend == "megatron" or (backend == "auto" and torch.cuda.is_available()):
+    if backend == "megatron":
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
         return DotProductAttention

@@ -9,13 +9,15 @@
 #   coat_tp1             `coat` FP8 layers + COAT FP8 optimizer (--coat-optimizer)          1 GPU
 #   coat_torchadam_tp1   `coat` FP8 layers, Megatron's Adam (the earlier `coat` arm)        1 GPU
 #   local_coatadam_tp1   BF16 `local` spec + COAT FP8 optimizer                             1 GPU
+#   coat_sdpa_tp1        coat_tp1 with --coat-attention sdpa (what auto picks without TE)   1 GPU
 #   coat_tp2_sp          `coat` layers + COAT optimizer, TP=2 + sequence parallelism        2 GPUs
 # 1-GPU arms run NGPUS at a time (one per GPU); 2-GPU arms alone, skipped on one GPU. `transformer_engine`
-# arms (BF16 and FP8 tensorwise) are added when TE imports. Every arm uses the distributed optimizer; each log
+# arms (BF16, FP8 delayed and FP8 tensorwise scaling) are added when TE imports. Every arm uses the distributed optimizer; each log
 # ends with the optimizer-state bytes and the peak memory of every rank.
 # MODEL=gpt370m (default): 24 layers, hidden 1024, 16 heads, SwiGLU FFN 2816; MODEL=gpt1b: 16 layers, hidden 2048,
 # 16 heads, FFN 5632 (~0.95B parameters). Both: RMSNorm, RoPE, seq 1024, micro-batch 8 (8192
-# tokens/iteration), Megatron's attention core with selective recompute of core_attn.
+# tokens/iteration), selective recompute of core_attn. Attention core: the `coat` arms use the default
+# --coat-attention auto (TE's core when TE imports, else torch SDPA); `local` uses Megatron's unfused core.
 set -euo pipefail
 OUT=${1:?usage: megatron_compare.sh OUT_DIR [TRAIN_ITERS]}
 ITERS=${2:-200}
@@ -49,7 +51,7 @@ esac
 
 ALL_ARMS="local_bf16_tp1 coat_tp1 coat_torchadam_tp1 local_coatadam_tp1 coat_tp2_sp"
 if python3 -c "import transformer_engine.pytorch" 2>/dev/null; then
-  ALL_ARMS="te_bf16_tp1 te_fp8_tensorwise_tp1 $ALL_ARMS"
+  ALL_ARMS="te_bf16_tp1 te_fp8_delayed_tp1 te_fp8_tensorwise_tp1 $ALL_ARMS"
 else
   echo "== transformer_engine arms skipped: transformer_engine is not importable" | tee "$OUT/te_skipped.txt"
 fi
@@ -58,12 +60,15 @@ ARMS=${ARMS:-$ALL_ARMS}
 arm_args() {
   case $1 in
     te_bf16_tp1) echo "--transformer-impl transformer_engine" ;;
+    te_fp8_delayed_tp1) echo "--transformer-impl transformer_engine --fp8-format hybrid --fp8-recipe delayed
+                              --fp8-amax-history-len 1024 --fp8-amax-compute-algo max" ;;
     te_fp8_tensorwise_tp1) echo "--transformer-impl transformer_engine --fp8-format hybrid --fp8-recipe tensorwise" ;;
     local_bf16_tp1) echo "--transformer-impl local" ;;
-    coat_tp1) echo "--transformer-impl coat --coat-attention megatron --coat-optimizer" ;;
-    coat_torchadam_tp1) echo "--transformer-impl coat --coat-attention megatron" ;;
+    coat_tp1) echo "--transformer-impl coat --coat-optimizer" ;;
+    coat_sdpa_tp1) echo "--transformer-impl coat --coat-optimizer --coat-attention sdpa" ;;
+    coat_torchadam_tp1) echo "--transformer-impl coat" ;;
     local_coatadam_tp1) echo "--transformer-impl local --coat-optimizer" ;;
-    coat_tp2_sp) echo "--transformer-impl coat --coat-attention megatron --coat-optimizer
+    coat_tp2_sp) echo "--transformer-impl coat --coat-optimizer
                        --tensor-model-parallel-size 2 --sequence-parallel" ;;
     *) echo "unknown arm $1" >&2; return 1 ;;
   esac

@@ -106,6 +106,28 @@ def test_coat_args_extend_transformer_impl_choices():
     assert add_coat_args(_parser_like_megatron()).parse_args([]).transformer_impl == "transformer_engine"
 
 
+def test_auto_attention_is_te_or_sdpa_never_the_unfused_core(monkeypatch):
+    """auto: TE's core when TE imports, else torch SDPA, on CUDA machines too; Megatron's unfused core only when
+    asked for."""
+    import megatron.core.extensions.transformer_engine as te_ext
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from coat_megatron.attention import SDPACoreAttention, core_attention_class
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(te_ext, "HAVE_TE", False)
+    assert core_attention_class("auto") is SDPACoreAttention and core_attention_class() is SDPACoreAttention
+    assert core_attention_class("sdpa") is SDPACoreAttention
+    assert core_attention_class("megatron") is DotProductAttention
+    with pytest.raises(ImportError, match="not importable"):
+        core_attention_class("te")
+    with pytest.raises(ValueError, match="one of"):
+        core_attention_class("flash")
+    monkeypatch.setattr(te_ext, "HAVE_TE", True)
+    monkeypatch.setattr(te_ext, "TEDotProductAttention", "te-core", raising=False)
+    assert core_attention_class("auto") == "te-core" and core_attention_class("te") == "te-core"
+
+
 def test_coat_args_reject_te_fp8_and_moe():
     from coat_megatron.arguments import validate_coat_args
 
