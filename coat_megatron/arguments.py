@@ -28,8 +28,9 @@ def add_coat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action.choices = tuple(action.choices) + (COAT_IMPL,)
     group = parser.add_argument_group("COAT (--transformer-impl coat)")
     group.add_argument("--coat-attention", choices=ATTENTION_BACKENDS, default="auto",
-                       help="attention core of the COAT spec (BF16): auto = TE if importable, else torch SDPA "
-                            "(flash / cuDNN kernels on CUDA); megatron = Megatron's unfused DotProductAttention")
+                       help="attention core of the COAT spec (BF16): auto = sdpa = torch SDPA (flash / cuDNN kernels "
+                            "on CUDA); te = TransformerEngine's (context parallelism); megatron = Megatron's unfused "
+                            "DotProductAttention")
     group.add_argument("--coat-fprop-fast-accum", action="store_true",
                        help="forward FP8 GEMMs with Hopper's fast accumulation (no periodic fp32 promotion), as "
                             "TransformerEngine's fprop does; gradient GEMMs keep fp32 promotion. Off: COAT's fp32 "
@@ -92,7 +93,8 @@ def validate_coat_args(args) -> None:
         problems.append("MoE (--num-experts) is not covered by the COAT spec")
     if getattr(args, "normalization", "LayerNorm") not in ("LayerNorm", "RMSNorm"):
         problems.append(f"--normalization {args.normalization} is not supported (LayerNorm, RMSNorm)")
-    if getattr(args, "context_parallel_size", 1) > 1 and args.coat_attention == "sdpa":
-        problems.append("--coat-attention sdpa does not support context parallelism")
+    if getattr(args, "context_parallel_size", 1) > 1 and args.coat_attention in ("auto", "sdpa"):
+        problems.append(f"--coat-attention {args.coat_attention} (torch SDPA) does not support context parallelism: "
+                        "use --coat-attention te")
     if problems:
         raise SystemExit("--transformer-impl coat: " + "; ".join(problems))

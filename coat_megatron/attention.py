@@ -1,8 +1,9 @@
 """Attention core for the COAT spec: COAT keeps attention in BF16, so this picks an existing implementation.
 
-"auto": TransformerEngine's DotProductAttention when TE imports, else torch SDPA (its flash / cuDNN / memory-efficient
-kernels on CUDA, the math kernel on the CPU). Megatron's own DotProductAttention materialises the full score matrix
-and runs an unfused softmax: only when asked for ("megatron"; CUDA only, it allocates its softmax buffer there).
+"auto" (the default): torch SDPA, whose flash / cuDNN kernels on CUDA (math kernel on the CPU) measured faster inside
+the COAT layer than TransformerEngine's DotProductAttention (BENCHMARKS.md). "te": TransformerEngine's core (needed for
+context parallelism). "megatron": Megatron's own DotProductAttention, which materialises the full score matrix and
+runs an unfused softmax (CUDA only: it allocates its softmax buffer there). "sdpa": the same as "auto".
 """
 from __future__ import annotations
 
@@ -49,15 +50,14 @@ class SDPACoreAttention(MegatronModule):
 def core_attention_class(backend: str = "auto"):
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
-    if backend in ("auto", "te"):
+    if backend == "te":
         try:
             from megatron.core.extensions.transformer_engine import HAVE_TE, TEDotProductAttention
         except ImportError:
             HAVE_TE = False
         if HAVE_TE:
             return TEDotProductAttention
-        if backend == "te":
-            raise ImportError("attention backend 'te' asked for, but TransformerEngine is not importable")
+        raise ImportError("attention backend 'te' asked for, but TransformerEngine is not importable")
     if backend == "megatron":
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 

@@ -9,7 +9,7 @@
 #   coat_tp1             `coat` FP8 layers + COAT FP8 optimizer (--coat-optimizer)          1 GPU
 #   coat_torchadam_tp1   `coat` FP8 layers, Megatron's Adam (the earlier `coat` arm)        1 GPU
 #   local_coatadam_tp1   BF16 `local` spec + COAT FP8 optimizer                             1 GPU
-#   coat_sdpa_tp1        coat_tp1 with --coat-attention sdpa (what auto picks without TE)   1 GPU
+#   coat_teattn_tp1      coat_tp1 with TE's attention core (--coat-attention te)           1 GPU
 #   coat_tp2_sp          `coat` layers + COAT optimizer, TP=2 + sequence parallelism        2 GPUs
 # 1-GPU arms run NGPUS at a time (one per GPU); 2-GPU arms alone, skipped on one GPU. `transformer_engine`
 # arms (BF16, FP8 delayed and FP8 tensorwise scaling) are added when TE imports. Every arm uses the distributed optimizer; each log
@@ -17,7 +17,7 @@
 # MODEL=gpt370m (default): 24 layers, hidden 1024, 16 heads, SwiGLU FFN 2816; MODEL=gpt1b: 16 layers, hidden 2048,
 # 16 heads, FFN 5632 (~0.95B parameters). Both: RMSNorm, RoPE, seq 1024, micro-batch 8 (8192
 # tokens/iteration), selective recompute of core_attn. Attention core: the `coat` arms use the default
-# --coat-attention auto (TE's core when TE imports, else torch SDPA); `local` uses Megatron's unfused core.
+# --coat-attention auto (torch SDPA); `local` uses Megatron's unfused core.
 set -euo pipefail
 OUT=${1:?usage: megatron_compare.sh OUT_DIR [TRAIN_ITERS]}
 ITERS=${2:-200}
@@ -65,7 +65,7 @@ arm_args() {
     te_fp8_tensorwise_tp1) echo "--transformer-impl transformer_engine --fp8-format hybrid --fp8-recipe tensorwise" ;;
     local_bf16_tp1) echo "--transformer-impl local" ;;
     coat_tp1) echo "--transformer-impl coat --coat-optimizer" ;;
-    coat_sdpa_tp1) echo "--transformer-impl coat --coat-optimizer --coat-attention sdpa" ;;
+    coat_teattn_tp1) echo "--transformer-impl coat --coat-optimizer --coat-attention te" ;;
     coat_torchadam_tp1) echo "--transformer-impl coat" ;;
     local_coatadam_tp1) echo "--transformer-impl local --coat-optimizer" ;;
     coat_tp2_sp) echo "--transformer-impl coat --coat-optimizer

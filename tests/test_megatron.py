@@ -106,8 +106,8 @@ def test_coat_args_extend_transformer_impl_choices():
     assert add_coat_args(_parser_like_megatron()).parse_args([]).transformer_impl == "transformer_engine"
 
 
-def test_auto_attention_is_te_or_sdpa_never_the_unfused_core(monkeypatch):
-    """auto: TE's core when TE imports, else torch SDPA, on CUDA machines too; Megatron's unfused core only when
+def test_auto_attention_is_sdpa_never_the_unfused_core(monkeypatch):
+    """auto: torch SDPA on CUDA machines too, with or without TE; TE's core and Megatron's unfused one only when
     asked for."""
     import megatron.core.extensions.transformer_engine as te_ext
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -115,17 +115,18 @@ def test_auto_attention_is_te_or_sdpa_never_the_unfused_core(monkeypatch):
     from coat_megatron.attention import SDPACoreAttention, core_attention_class
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    monkeypatch.setattr(te_ext, "HAVE_TE", False)
-    assert core_attention_class("auto") is SDPACoreAttention and core_attention_class() is SDPACoreAttention
-    assert core_attention_class("sdpa") is SDPACoreAttention
-    assert core_attention_class("megatron") is DotProductAttention
-    with pytest.raises(ImportError, match="not importable"):
-        core_attention_class("te")
+    for have_te in (False, True):
+        monkeypatch.setattr(te_ext, "HAVE_TE", have_te)
+        assert core_attention_class("auto") is SDPACoreAttention and core_attention_class() is SDPACoreAttention
+        assert core_attention_class("sdpa") is SDPACoreAttention
+        assert core_attention_class("megatron") is DotProductAttention
     with pytest.raises(ValueError, match="one of"):
         core_attention_class("flash")
-    monkeypatch.setattr(te_ext, "HAVE_TE", True)
     monkeypatch.setattr(te_ext, "TEDotProductAttention", "te-core", raising=False)
-    assert core_attention_class("auto") == "te-core" and core_attention_class("te") == "te-core"
+    assert core_attention_class("te") == "te-core"
+    monkeypatch.setattr(te_ext, "HAVE_TE", False)
+    with pytest.raises(ImportError, match="not importable"):
+        core_attention_class("te")
 
 
 def test_coat_args_reject_te_fp8_and_moe():
@@ -134,6 +135,9 @@ def test_coat_args_reject_te_fp8_and_moe():
     base = dict(transformer_impl="coat", coat_attention="auto", fp8=None, num_experts=None,
                 normalization="RMSNorm", context_parallel_size=1)
     validate_coat_args(argparse.Namespace(**base))
+    with pytest.raises(SystemExit, match="use --coat-attention te"):  # SDPA has no context parallelism
+        validate_coat_args(argparse.Namespace(**{**base, "context_parallel_size": 2}))
+    validate_coat_args(argparse.Namespace(**{**base, "context_parallel_size": 2, "coat_attention": "te"}))
     for bad in ({"fp8": "hybrid"}, {"num_experts": 8}):
         with pytest.raises(SystemExit, match="--transformer-impl coat"):
             validate_coat_args(argparse.Namespace(**{**base, **bad}))
