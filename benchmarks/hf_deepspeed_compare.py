@@ -10,6 +10,10 @@ Arms (each is `launch/train_ds.py` with a ds_config and, for the peers, one flag
 
     python benchmarks/hf_deepspeed_compare.py [--model tinyllama-1b] [--micro-batch 8] [--steps 30]
         [--curve-steps 200] [--curve-arms bf16,coat] [--arms ...] [--max-batch] [--out DIR]
+        [--gpus N] [--zero-stage 2|3]
+
+--gpus N runs each arm on N ranks (data parallel, micro-batch per rank, so the global batch is N x micro-batch);
+--zero-stage overrides the configs' ZeRO stage (ZeRO-3 partitions the bf16 weights too).
 
 Largest micro-batch: the first run's breakdown gives the memory held between steps and what a step adds per
 sequence; the predicted largest batch is run for a few steps, and on out-of-memory 10% smaller, until one fits.
@@ -37,12 +41,14 @@ ARMS = {
 def run_arm(arm, args, micro_batch, steps, tag, port):
     """One training process; returns its SUMMARY dict, or {"error": ...}."""
     config, flags = ARMS[arm]
-    name = f"{arm}_mb{micro_batch}_{tag}"
+    name = f"{arm}_mb{micro_batch}_{tag}" + (f"_g{args.gpus}" if args.gpus > 1 else "") + (
+        f"_z{args.zero_stage}" if args.zero_stage else "")
     log, csv = os.path.join(args.out, name + ".log"), os.path.join(args.out, name + ".csv")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(port),
-           os.path.join(ROOT, "launch", "train_ds.py"), "--ds-config", os.path.join(ROOT, config), "--model",
-           args.model, "--seq-len", str(args.seq_len), "--global-batch", str(micro_batch), "--steps", str(steps),
-           "--seed", str(args.seed), "--label", name, "--csv", csv, *flags]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.gpus), "--master_port",
+           str(port), os.path.join(ROOT, "launch", "train_ds.py"), "--ds-config", os.path.join(ROOT, config),
+           "--model", args.model, "--seq-len", str(args.seq_len), "--global-batch", str(micro_batch * args.gpus),
+           "--steps", str(steps), "--seed", str(args.seed), "--label", name, "--csv", csv, *flags,
+           *(["--zero-stage", str(args.zero_stage)] if args.zero_stage else [])]
     print(f"== {name}: {' '.join(cmd)}", flush=True)
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=args.run_timeout)
@@ -142,6 +148,8 @@ def main(argv=None):
     p.add_argument("--max-batch-tries", type=int, default=3)
     p.add_argument("--memory-fraction", type=float, default=0.96)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--gpus", type=int, default=1, help="ranks per arm (data parallel)")
+    p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None)
     p.add_argument("--run-timeout", type=int, default=900)
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     p.add_argument("--plot", default=None, help="only draw loss.png from a results.json")

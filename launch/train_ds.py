@@ -69,6 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step, over all data-parallel ranks")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (overrides the config's)")
+    p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None,
+                   help="ZeRO stage (overrides the config's zero_optimization.stage)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--csv", default=None, help="write step,loss,step_s,tokens_per_s here (rank 0)")
     p.add_argument("--label", default=None, help="name of the run in the summary")
@@ -86,6 +88,8 @@ def load_config(args, world: int) -> dict:
         raise SystemExit(f"--global-batch {args.global_batch} is not a multiple of the {world} ranks")
     config.update(train_batch_size=args.global_batch, train_micro_batch_size_per_gpu=args.global_batch // world,
                   gradient_accumulation_steps=1)
+    if args.zero_stage is not None:
+        config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
     if args.lr is not None:
         config["optimizer"]["params"]["lr"] = args.lr
         if "scheduler" in config and "warmup_max_lr" in config["scheduler"].get("params", {}):
