@@ -25,33 +25,18 @@ from dataclasses import asdict
 
 import torch
 
-from launch import corpus as corpus_lib
-from launch.main import ARMS, SIZES, build_model, make_arm, run_arm
+from launch.main import ARMS, add_run_args, build_model, make_arm, prepare_data, resolve_size, run_arm
 
 
 def train(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arm", choices=sorted(ARMS), required=True)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=os.path.join("runs", "parity"))
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--size", choices=sorted(SIZES), default="parity")
-    for key in SIZES["parity"]:
-        ap.add_argument("--" + key.replace("_", "-"), type=type(SIZES["parity"][key]), default=None)
-    ap.add_argument("--stdlib", default=None, help="train on the .py files under this directory instead of this "
-                                                  "Python's standard library")
-    ap.add_argument("--no-progress", action="store_true")
+    add_run_args(ap, "parity", os.path.join("runs", "parity"))
     args = ap.parse_args(argv)
-    for key, value in SIZES[args.size].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    device = torch.device(args.device)
+    device = resolve_size(args)
     warnings.filterwarnings("ignore", category=UserWarning)
     os.makedirs(args.out, exist_ok=True)
-    data = corpus_lib.load(vocab_size=args.vocab, stdlib=args.stdlib)
-    source = corpus_lib.Batches(data, args.seq, args.batch, seed=args.seed)
-    batches = [source.train_batch() for _ in range(args.steps)]
-    val_batches = source.val_batches(args.eval_batches)
+    data, batches, val_batches = prepare_data(args)
     base = build_model(args, data.vocab_size)
     n_params = sum(p.numel() for p in base.parameters())
     path = os.path.join(args.out, f"{args.arm}-seed{args.seed}.json")

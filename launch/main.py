@@ -181,30 +181,46 @@ def run_arm(name, model, optimizer, batches, val_batches, args, device, show_pro
     return ArmResult(name, train, val, tokens_per_s, state, saved, peak, time.time() - start)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_run_args(ap, default_size, default_out):
+    """Options shared by the main job and the loss-parity runs: device, size (each field overridable), seed,
+    corpus source, output directory. default_size None: small on the CPU, gpu on CUDA."""
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--size", choices=sorted(SIZES), default=None, help="defaults: small on CPU, gpu on CUDA")
-    for key in SIZES["small"]:
-        ap.add_argument("--" + key.replace("_", "-"), type=type(SIZES["small"][key]), default=None)
+    ap.add_argument("--size", choices=sorted(SIZES), default=default_size,
+                    help="model and run defaults" + ("" if default_size else ": small on CPU, gpu on CUDA"))
+    for key, value in SIZES["small"].items():
+        ap.add_argument("--" + key.replace("_", "-"), type=type(value), default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stdlib", default=None, help="train on the .py files under this directory instead of this "
                                                   "Python's standard library (the pydoc topics stay)")
-    ap.add_argument("--out", default=os.path.join("runs", "main"))
+    ap.add_argument("--out", default=default_out)
     ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_args(argv)
+
+
+def resolve_size(args):
+    """Fill the size fields not given on the command line from the chosen size."""
     device = torch.device(args.device)
-    size = SIZES[args.size or ("gpu" if device.type == "cuda" else "small")]
-    for key, value in size.items():
+    for key, value in SIZES[args.size or ("gpu" if device.type == "cuda" else "small")].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    return device
+
+
+def prepare_data(args):
+    """(corpus, one training batch per step, the fixed validation batches), all from args.seed."""
+    data = corpus_lib.load(vocab_size=args.vocab, stdlib=args.stdlib)
+    source = corpus_lib.Batches(data, args.seq, args.batch, seed=args.seed)
+    return data, [source.train_batch() for _ in range(args.steps)], source.val_batches(args.eval_batches)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_args(ap, None, os.path.join("runs", "main"))
+    args = ap.parse_args(argv)
+    device = resolve_size(args)
     warnings.filterwarnings("ignore", category=UserWarning)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
-    data = corpus_lib.load(vocab_size=args.vocab, stdlib=args.stdlib)
-    batches_src = corpus_lib.Batches(data, args.seq, args.batch, seed=args.seed)
-    batches = [batches_src.train_batch() for _ in range(args.steps)]
-    val_batches = batches_src.val_batches(args.eval_batches)
+    data, batches, val_batches = prepare_data(args)
     print(f"corpus ready in {time.time() - t0:.1f} s: {len(data.train):,} training tokens, {len(data.val):,} "
           f"validation tokens, vocabulary {data.vocab_size}; device {device}", flush=True)
 
