@@ -4,7 +4,9 @@ DeepSpeed's `ds_to_universal` reads fp32 elementwise `exp_avg` / `exp_avg_sq` fr
 tool copies the checkpoint tag folder, replaces each compact CoatFP8AdamW state entry (FP8 codes + per-group
 metadata + segments) by its dequantized fp32 moments, runs DeepSpeed's converter on the copy and deletes it. Load
 the result with `"checkpoint": {"load_universal": true}`; CoatFP8AdamW re-quantizes the moments at its next step,
-with the groups of the new partition layout.
+with the groups of the new partition layout. Loaded at the same DP size, every group quantizes back to the codes and
+metadata it was saved with (coat_kernels.optim.exact_export): the run continues bit for bit. At a new DP size, only
+groups re-cut by a new partition edge get new metadata.
 
     python -m coat_ds.to_universal --input_folder ckpt/global_step100 --output_folder ckpt/global_step100_universal
 
@@ -22,17 +24,24 @@ import tempfile
 import torch
 
 from coat_kernels.optim import is_coat_state, to_fp32
+from coat_kernels.optim.state import moment_configs_of
 
 
-def expand_states(obj, found: list | None = None):
-    """Replace, anywhere in a nested checkpoint object, each CoatFP8AdamW entry by {step, exp_avg, exp_avg_sq}.
+def expand_states(obj, found: list | None = None, configs=None):
+    """Replace, anywhere in a nested checkpoint object, each CoatFP8AdamW entry by {step, exp_avg, exp_avg_sq}: the
+    fp32 moments that CoatFP8AdamW quantizes back to the same codes and metadata on the same partition layout.
 
-    Appends one item to `found` per entry replaced."""
+    An optimizer state dict's entries use their param group's options. Appends one item to `found` per entry."""
     found = [] if found is None else found
     if isinstance(obj, dict):
         if is_coat_state(obj):
             found.append(1)
-            return {"step": obj["step"], **to_fp32(obj)}
+            return {"step": obj["step"], **to_fp32(obj, *(configs or moment_configs_of({})))}
+        if isinstance(obj.get("state"), dict) and isinstance(obj.get("param_groups"), list):
+            group_of = {pid: group for group in obj["param_groups"] for pid in group.get("params", ())}
+            state = {pid: expand_states(entry, found, moment_configs_of(group_of.get(pid, {})))
+                     for pid, entry in obj["state"].items()}
+            return {**{k: expand_states(v, found) for k, v in obj.items() if k != "state"}, "state": state}
         return {k: expand_states(v, found) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(expand_states(v, found) for v in obj)

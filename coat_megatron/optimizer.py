@@ -24,7 +24,7 @@ from itertools import chain
 
 import torch
 
-from coat_kernels.optim import CoatFP8AdamW, state_report, to_fp32
+from coat_kernels.optim import CoatFP8AdamW, state_report
 from coat_kernels.optim.config import GROUP_OPTION_NAMES
 
 
@@ -76,7 +76,7 @@ class MegatronCoatFP8AdamW(CoatFP8AdamW):
             params = list(chain.from_iterable(g["params"] for g in self.param_groups))
             for index, entry in sd["state"].items():
                 p = params[index]
-                moments = to_fp32(entry)
+                moments = self.fp32_moments(p)
                 sd["state"][index] = {"step": entry["step"], **{k: v.view(p.shape) for k, v in moments.items()}}
         return sd
 

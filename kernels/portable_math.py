@@ -6,8 +6,9 @@ same IEEE fp32 operations in the same order everywhere: the kernels compile with
 only where `fma` is written, which torch emulates exactly (`fma` below). Accuracy: |log2 error| < 3e-5, exp2
 relative error < 4e-6 (degree 4); the coarse degree-3 pair: 1.2e-4 and 7.7e-5.
 Domain: log2 of x >= 0; inputs below fp32's smallest normal (2^-126: zero and subnormals) give -inf, so
-subnormal magnitudes quantize to zero. exp2 of y returns 0 below -126 and is meant for y < 128 (larger y give
-garbage: callers' exponents stay below log2 of fp32's max). Integer <-> float conversions go through magic-number additions instead of F2I/I2F/FRND, which
+subnormal magnitudes quantize to zero. exp2 of y returns 0 below -126 and saturates at fp32's largest finite value
+(y up to 128: the decoder's results stay finite for every finite fp32 moment); the coarse exp2 (the encoder's, whose
+results stay below the FP8 maximum) is meant for y < 127.5. Integer <-> float conversions go through magic-number additions instead of F2I/I2F/FRND, which
 run at a fraction of the FMA rate on Hopper.
 """
 import torch
@@ -27,6 +28,7 @@ LOG2_COEFFS_3 = (1.4416474, -0.7249528, 0.51862043, -0.33007723)
 EXP2_COEFFS_3 = (0.99992895, 0.6932762, 0.24260405, 0.055088684)
 SQRT2_BITS = 0x3FB504F3  # bits of fp32 sqrt(2): mantissas above it fold down by one octave
 MIN_NORMAL = 2.0 ** -126
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def fma(a, b, c) -> torch.Tensor:
@@ -82,13 +84,18 @@ def log2(x: torch.Tensor, coarse: bool = False) -> torch.Tensor:
 
 
 def exp2(y: torch.Tensor, coarse: bool = False) -> torch.Tensor:
-    """Portable exp2 of an fp32 tensor (0 below -126)."""
+    """Portable exp2 of an fp32 tensor (0 below -126; the fine one saturates at fp32's maximum)."""
     y = y.float()
     t = y + 12582912.0  # 1.5 * 2^23: rounds y to the nearest integer n, held in t's low mantissa bits
     n = t.view(torch.int32) - 0x4B400000
     f = y - (t - 12582912.0)
-    two_n = ((n + 127) << 23).view(torch.float32)
-    return torch.where(y < -126.0, 0.0, _horner(EXP2_COEFFS_3 if coarse else EXP2_COEFFS, f) * two_n)
+    if coarse:
+        two_n = ((n + 127) << 23).view(torch.float32)
+        return torch.where(y < -126.0, 0.0, _horner(EXP2_COEFFS_3, f) * two_n)
+    # 2^n as 2^min(n, 127) times 1 or 2: 2^128 is not an fp32 value (the product by 1 changes no bit)
+    two_n = ((n.clamp(max=127) + 127) << 23).view(torch.float32)
+    r = (_horner(EXP2_COEFFS, f) * two_n) * torch.where(n > 127, 2.0, 1.0)
+    return torch.where(y < -126.0, 0.0, r.clamp(max=FLOAT32_MAX))
 
 
 @triton.jit
@@ -140,14 +147,17 @@ def exp2_p(y, COARSE: tl.constexpr = False):
     t = y + 12582912.0
     n = t.to(tl.int32, bitcast=True) - 0x4B400000
     f = y - (t - 12582912.0)
-    two_n = ((n + 127) << 23).to(tl.float32, bitcast=True)
     if COARSE:  # EXP2_COEFFS_3
+        two_n = ((n + 127) << 23).to(tl.float32, bitcast=True)
         p = fma_p(f, 0.055088684, 0.24260405)
         p = fma_p(p, f, 0.6932762)
         p = fma_p(p, f, 0.99992895)
-    else:  # EXP2_COEFFS
+        r = p * two_n
+    else:  # EXP2_COEFFS; 2^n as 2^min(n, 127) times 1 or 2, saturated at fp32's maximum
+        two_n = ((tl.minimum(n, 127) + 127) << 23).to(tl.float32, bitcast=True)
         p = fma_p(f, 0.009676042, 0.055922076)
         p = fma_p(p, f, 0.24022107)
         p = fma_p(p, f, 0.693121)
         p = fma_p(p, f, 1.0000001)
-    return tl.where(y < -126.0, 0.0, p * two_n)
+        r = tl.minimum((p * two_n) * tl.where(n > 127, 2.0, 1.0), 3.4028234663852886e38)
+    return tl.where(y < -126.0, 0.0, r)

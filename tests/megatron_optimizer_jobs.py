@@ -331,10 +331,13 @@ def checkpoints(model, optimizer, out_dir, float16_module=True):
     finally:
         distrib_optimizer.HAVE_APEX_OR_TE, distrib_optimizer.USING_TE_OPTIMIZER = flags
 
-    losses = [train_step(*resumed, STEPS), train_step(model, optimizer, STEPS)]
+    losses = [[train_step(*resumed, it) for it in (STEPS, STEPS + 1)],
+              [train_step(model, optimizer, it) for it in (STEPS, STEPS + 1)]]
     after_resume, uninterrupted = named_main_params(*resumed), named_main_params(model, optimizer)
     result["resumed_vs_uninterrupted"] = {
-        "losses": losses, "param_rel_err": max(rel_err(after_resume[n], uninterrupted[n]) for n in uninterrupted)}
+        "losses": losses, "param_rel_err": max(rel_err(after_resume[n], uninterrupted[n]) for n in uninterrupted),
+        "exact": all(torch.equal(after_resume[n], uninterrupted[n]) for n in uninterrupted),
+        "state": compare_states(fp32_state(resumed[1]), fp32_state(optimizer))}
     return result
 
 

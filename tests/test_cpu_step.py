@@ -31,8 +31,11 @@ def inputs(grad_dtype, param_dtype, layout, m_cfg, v_cfg, seed=0):
     p = (torch.randn(N, generator=g) * 0.02).to(param_dtype)
     m = torch.randn(N, generator=g) * torch.exp(torch.randn(N, generator=g) * 2) * 1e-3
     m[::97] = 0
+    v = m * m * torch.rand(N, generator=g) * 10
+    m[256:320] = torch.rand(64, generator=g) * 3.4e38  # up to fp32's maximum, 40+ decades in one group (k < 1)
+    v[640:704] = torch.rand(64, generator=g) * 3.4e38
     mq, mm = ref.quantize(m, layout, m_cfg)
-    vq, vm = ref.quantize(m * m * torch.rand(N, generator=g) * 10, layout, v_cfg)
+    vq, vm = ref.quantize(v, layout, v_cfg)
     grad = (torch.randn(N, generator=g) * 1e-3).to(grad_dtype)
     grad[123], grad[3456] = float("nan"), float("inf")
     return p, grad, mq, mm, vq, vm

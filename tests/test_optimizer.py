@@ -142,7 +142,7 @@ def test_fp32_moments_in_state_are_quantized_at_the_next_step():
     ref.fused_adamw_step(expected, p.grad.view(-1), mq, mm, vq, vm, layout,
                          ref.AdamWScalars.make(1e-3, 0.9, 0.999, 1e-8, 1e-2, 6), cfg, cfg)
     assert torch.equal(p.detach().view(-1), expected)
-    deq = to_fp32(opt.state[p])
+    deq = opt.fp32_moments(p)
     assert deq["exp_avg"].shape == (p.numel(),) and torch.isfinite(deq["exp_avg_sq"]).all()
 
 

@@ -111,12 +111,13 @@ class CoatFP8AdamW(torch.optim.Optimizer):
                     self._init_state(p, group, index)
 
     def fp32_moments(self, p: torch.Tensor) -> dict:
-        """{"exp_avg", "exp_avg_sq"}: fp32, flat, on p's device (zeros before the first step)."""
+        """{"exp_avg", "exp_avg_sq"}: fp32, flat, on p's device (zeros before the first step). `set_fp32_moments`
+        with these values restores the state bit for bit (what checkpoints in fp32 formats rely on)."""
+        group_index, group = self._group_of(p)
         state = self.state[p]
-        if not coat_state.is_coat_state(state):
-            group_index, group = self._group_of(p)
+        if not coat_state.is_coat_state(state) or "exp_avg" in state:
             self._init_state(p, group, group_index)
-        return coat_state.to_fp32(self.state[p])
+        return coat_state.to_fp32(self.state[p], *self.group_config(group).moment_configs())
 
     def set_fp32_moments(self, p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                          step: float | None = None) -> None:

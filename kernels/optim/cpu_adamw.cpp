@@ -5,6 +5,7 @@
 // (std::fma; built with -ffp-contract=off so that nothing else is fused), portable_math's log2/exp2 polynomials, and
 // round-to-nearest-even, saturating FP8 encodings. Groups run in parallel (OpenMP); the loops over a group's elements
 // are plain fp32 arithmetic the compiler vectorizes.
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -62,9 +63,15 @@ inline float exp2_p(float y, bool coarse) {
   float t = y + 12582912.0f;
   uint32_t n = bits_of(t) - 0x4B400000u;
   float f = y - (t - 12582912.0f);
-  float two_n = float_of((n + 127u) << 23);
-  float p = coarse ? exp2_poly3(f) : exp2_poly4(f);
-  return y < -126.0f ? 0.0f : p * two_n;
+  float r;
+  if (coarse) {
+    r = exp2_poly3(f) * float_of((n + 127u) << 23);
+  } else {  // 2^n as 2^min(n, 127) times 1 or 2, saturated at fp32's maximum
+    const bool high = static_cast<int32_t>(n) > 127;
+    r = (exp2_poly4(f) * float_of(((high ? 127u : n) + 127u) << 23)) * (high ? 2.0f : 1.0f);
+    r = r > FLT_MAX ? FLT_MAX : r;
+  }
+  return y < -126.0f ? 0.0f : r;
 }
 
 struct Format {  // an FP8 format's encoding
@@ -111,7 +118,7 @@ inline Meta group_params(float big, float small, const Moment& c) {
   if (c.expand) {
     float log2_ratio = log2_big - log2_small;
     float k = std::floor(c.numerator / log2_ratio) * c.inv_expand_min;
-    k = k < 1.0f ? 1.0f : (k > c.k_max ? c.k_max : k);
+    k = k < c.inv_expand_min ? c.inv_expand_min : (k > c.k_max ? c.k_max : k);
     m.k = log2_ratio <= kLog2RatioEps ? 1.0f : k;
     m.log2_center = (log2_big + log2_small) * 0.5f;
   } else {

@@ -1,7 +1,7 @@
 """PyTorch reference of COAT's FP8 group quantization with Dynamic Range Expansion, and of the fused AdamW step.
 
 Per group X: M = max|X|, m = min of the nonzero |X|, R = M/m,
-k = floor(E*log2(Q^2/2)/log2 R)/E clamped to [1, k_max] (k = 1 when log2 R <= 2^-19), center c = sqrt(M m),
+k = floor(E*log2(Q^2/2)/log2 R)/E clamped to [1/E, k_max] (k < 1 compresses groups wider than the format) (k = 1 when log2 R <= 2^-19), center c = sqrt(M m),
 scale s = (M/c)^k / Q, code = fp8(sign(x) |x/c|^k / s), x = sign(q) |q s|^(1/k) c. All-zero groups give zero codes.
 
 Everything is evaluated in the log domain with portable_math's log2/exp2: per group the metadata is
@@ -47,7 +47,7 @@ class DREConfig:
         if self.expand_min < 1:
             raise ValueError(f"expand_min must be >= 1, got {self.expand_min}")
         if not self.k_max >= 1:
-            raise ValueError(f"k_max must be >= 1 (COAT never compresses), got {self.k_max}")
+            raise ValueError(f"k_max must be >= 1, got {self.k_max}")
 
     @property
     def log2_max(self) -> float:
@@ -85,7 +85,7 @@ def group_params(big: torch.Tensor, small: torch.Tensor, cfg: DREConfig) -> torc
     if cfg.expand:
         log2_ratio = log2_big - log2_small
         k = torch.floor(_full(big, cfg.expand_numerator) / log2_ratio) * cfg.inv_expand_min
-        k = torch.where(log2_ratio <= LOG2_RATIO_EPS, one, k.clamp(1.0, f32(cfg.k_max)))
+        k = torch.where(log2_ratio <= LOG2_RATIO_EPS, one, k.clamp(cfg.inv_expand_min, f32(cfg.k_max)))
         log2_center = (log2_big + log2_small) * 0.5
     else:
         k, log2_center = one, torch.zeros_like(big)

@@ -47,7 +47,7 @@ def _group_params(big, small, EXPAND: tl.constexpr, NUM: tl.constexpr, INV_EMIN:
     if EXPAND:
         log2_ratio = log2_big - log2_small
         k = tl.floor(tl.math.div_rn(tl.where(nonzero, NUM, NUM), log2_ratio)) * INV_EMIN
-        k = tl.where(log2_ratio <= LOG2_RATIO_EPS_C, 1.0, tl.minimum(tl.maximum(k, 1.0), KMAX))
+        k = tl.where(log2_ratio <= LOG2_RATIO_EPS_C, 1.0, tl.minimum(tl.maximum(k, INV_EMIN), KMAX))
         log2_center = (log2_big + log2_small) * 0.5
     else:  # tl.where instead of tl.full: Gluon's full needs a layout
         k = tl.where(nonzero, 1.0, 1.0)

@@ -16,6 +16,7 @@ from typing import Iterable
 import torch
 
 from . import dre_reference as reference
+from . import exact_export
 from .dre_reference import DREConfig
 from .grouping import GroupLayout, build_layout
 
@@ -56,10 +57,15 @@ def zero_state(numel: int, segments: torch.Tensor, layout: GroupLayout, m_cfg: D
 
 
 def quantize_moment(x: torch.Tensor, layout: GroupLayout, cfg: DREConfig, use_kernel: bool):
-    """fp32 moment (any shape, layout.numel elements) -> (codes, meta)."""
+    """fp32 moment (any shape, layout.numel elements) -> (codes, meta). NaN/Inf values are an error: the state
+    cannot represent them (a step with such gradients skips their groups instead)."""
     x = x.detach().reshape(-1).to(torch.float32)
     if x.numel() != layout.numel:
         raise ValueError(f"a moment of {x.numel()} elements does not fit a state of {layout.numel}")
+    bad = ~torch.isfinite(x)
+    if bad.any():
+        raise ValueError(f"cannot quantize a moment holding {int(bad.sum())} NaN/Inf values (first at element "
+                         f"{int(bad.nonzero()[0, 0])}): the checkpoint or the values given are corrupt")
     if use_kernel:
         from . import dre_triton
         return dre_triton.quantize(x, layout, cfg)
@@ -75,19 +81,22 @@ def from_fp32(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, layout: GroupLayo
     return out
 
 
-def to_fp32(entry: dict) -> dict:
-    """fp32 {"exp_avg", "exp_avg_sq"} (flat) of one live or saved entry."""
+def to_fp32(entry: dict, m_cfg: DREConfig, v_cfg: DREConfig) -> dict:
+    """fp32 {"exp_avg", "exp_avg_sq"} (flat) of one live or saved entry quantized with these configs, such that
+    `from_fp32` on the same layout gives the entry's codes and metadata back (coat_kernels.optim.exact_export)."""
     layout = layout_of(entry)
     out = {}
-    for key in MOMENTS:
+    for key, cfg in zip(MOMENTS, (m_cfg, v_cfg)):
         codes, meta = entry[key + "_q"], entry[key + "_meta"]
-        from . import dre_triton
-
-        if codes.is_cuda and dre_triton.supports_group_size(layout.group_size):
-            out[key] = dre_triton.dequantize(codes, meta, layout)
-        else:
-            out[key] = reference.dequantize(codes, meta.to(codes.device), layout)
+        out[key], _ = exact_export.export(codes, meta.to(codes.device), layout, cfg)
     return out
+
+
+def moment_configs_of(group: dict) -> tuple[DREConfig, DREConfig]:
+    """The (exp_avg, exp_avg_sq) quantizers of a saved param group (its COAT options; defaults where absent)."""
+    from .config import GROUP_OPTION_NAMES, OptimizerConfig
+
+    return OptimizerConfig(**{k: group[k] for k in GROUP_OPTION_NAMES if k in group}).moment_configs()
 
 
 def entry_bytes(entry: dict) -> int:

@@ -25,8 +25,11 @@ def test_cpu_step_equals_the_gpu_kernel(fmt, grad_dtype):
     g = torch.Generator().manual_seed(0)
     p = torch.randn(N, generator=g) * 0.02
     m = torch.randn(N, generator=g) * torch.exp(torch.randn(N, generator=g) * 2) * 1e-3
+    v = m * m * 10
+    m[256:320] = torch.rand(64, generator=g) * 3.4e38  # up to fp32's maximum, 40+ decades in one group (k < 1)
+    v[640:704] = torch.rand(64, generator=g) * 3.4e38
     mq, mm = ref.quantize(m, layout, m_cfg)
-    vq, vm = ref.quantize(m * m * 10, layout, v_cfg)
+    vq, vm = ref.quantize(v, layout, v_cfg)
     grad = (torch.randn(N, generator=g) * 1e-3).to(grad_dtype)
     grad[12345], grad[500_000] = float("nan"), float("inf")
     h = ref.AdamWScalars.make(1e-3, 0.9, 0.95, 1e-8, 0.1, 7)

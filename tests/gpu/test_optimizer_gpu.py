@@ -33,7 +33,11 @@ def moments(n, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     m = torch.randn(n, device="cuda", generator=g) * torch.exp(torch.randn(n, device="cuda", generator=g) * 2) * 1e-3
     m[::97] = 0
-    return m, m * m * torch.rand(n, device="cuda", generator=g) * 10
+    v = m * m * torch.rand(n, device="cuda", generator=g) * 10
+    # groups reaching fp32's maximum (exp2 saturates) and spanning 40+ decades (k < 1)
+    m[256:320] = torch.rand(64, device="cuda", generator=g) * 3.4e38
+    v[640:704] = torch.rand(64, device="cuda", generator=g) * 3.4e38
+    return m, v
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
@@ -93,3 +97,19 @@ def test_optimizer_on_cuda_equals_optimizer_on_cpu():
         assert_same_bits(q.detach().cpu(), p.detach(), "params")
         for key in ("exp_avg_q", "exp_avg_meta", "exp_avg_sq_q", "exp_avg_sq_meta"):
             assert_same_bits(opt_gpu.state[q][key].cpu(), opt_cpu.state[p][key], key)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_exact_export_on_cuda_round_trips_through_the_kernel(fmt):
+    """fp32 moments exported on the GPU equal the CPU export bit for bit and quantize back (Triton kernel) to the
+    same codes and metadata, including groups with k < 1 and values near fp32's maximum."""
+    from coat_kernels.optim.exact_export import export, quantized_equal
+
+    layout = LAYOUTS["ragged segments"]
+    for x, cfg in zip(moments(N, 3), (ref.DREConfig(fmt), ref.DREConfig(fmt, keep_nonzero=True))):
+        codes, meta = tri.quantize(x, layout, cfg)
+        values, failed = export(codes, meta, layout, cfg)
+        values_cpu, _ = export(codes.cpu(), meta.cpu(), layout, cfg)
+        assert failed == 0
+        assert_same_bits(values, values_cpu, "exported values")
+        assert quantized_equal(*tri.quantize(values, layout, cfg), codes, meta)
