@@ -58,7 +58,15 @@ inline float log2_p(float x, bool coarse) {
   return x >= kMinNormal ? r : -INFINITY;
 }
 
-// portable_math.exp2: 0 below -126.
+// portable_math.exp2 for y < 127.5 (the decoder's exponents in groups whose values stay below 2^127): 0 below -126.
+inline float exp2_unsaturated(float y) {
+  float t = y + 12582912.0f;
+  uint32_t n = bits_of(t) - 0x4B400000u;
+  float f = y - (t - 12582912.0f);
+  return y < -126.0f ? 0.0f : exp2_poly4(f) * float_of((n + 127u) << 23);
+}
+
+// portable_math.exp2: 0 below -126; the fine one saturates at fp32's maximum.
 inline float exp2_p(float y, bool coarse) {
   float t = y + 12582912.0f;
   uint32_t n = bits_of(t) - 0x4B400000u;
@@ -176,6 +184,31 @@ struct BF16 {
   static uint16_t store(float x) { return float_to_bf16(x); }
 };
 
+// Dequantize a group's moments, AdamW: p, m, v of the group's elements. SATURATE: the decoder's exp2 may see
+// exponents of 127.5 or more (moments near fp32's maximum); below that both exp2 variants give the same bits.
+template <typename PT, typename GT, bool SATURATE>
+inline void update_group(const typename PT::T* param, const typename GT::T* grad, const uint8_t* m_codes,
+                         const uint8_t* v_codes, int len, const Scalars& h, const float* m_table, const float* v_table,
+                         float m_inv_k, float m_bias, float v_inv_k, float v_bias, float* p, float* m, float* v) {
+#pragma omp simd
+  for (int i = 0; i < len; ++i) {
+    const uint8_t mr = m_codes[i], vr = v_codes[i];
+    float mi = SATURATE ? exp2_p(std::fma(m_table[mr], m_inv_k, m_bias), false)
+                        : exp2_unsaturated(std::fma(m_table[mr], m_inv_k, m_bias));
+    float vi = SATURATE ? exp2_p(std::fma(v_table[vr], v_inv_k, v_bias), false)
+                        : exp2_unsaturated(std::fma(v_table[vr], v_inv_k, v_bias));
+    mi = mr >= 128 ? 0.0f - mi : mi;
+    vi = vr >= 128 ? 0.0f - vi : vi;
+    const float g = GT::load(grad[i]);
+    mi = std::fma(mi, h.beta1, g * h.one_minus_beta1);
+    vi = std::fma(vi, h.beta2, (g * g) * h.one_minus_beta2);
+    const float denom = std::fma(std::sqrt(vi), h.inv_bc2_sqrt, h.eps);
+    p[i] = std::fma(-h.step_size, mi / denom, PT::load(param[i]) * h.decay);
+    m[i] = mi;
+    v[i] = vi;
+  }
+}
+
 template <typename PT, typename GT>
 int64_t step(typename PT::T* param, const typename GT::T* grad, uint8_t* m_codes, float* m_meta, uint8_t* v_codes,
              float* v_meta, const int64_t* starts, const int64_t* lengths, int64_t n_groups, const Scalars h,
@@ -189,20 +222,15 @@ int64_t step(typename PT::T* param, const typename GT::T* grad, uint8_t* m_codes
     const float m_inv_k = 1.0f / m_meta[j], v_inv_k = 1.0f / v_meta[j];
     const float m_bias = (m_meta[2 * n_groups + j] - mc.log2_max) * m_inv_k + m_meta[n_groups + j];
     const float v_bias = (v_meta[2 * n_groups + j] - vc.log2_max) * v_inv_k + v_meta[n_groups + j];
-#pragma omp simd
-    for (int i = 0; i < len; ++i) {
-      const uint8_t mr = m_codes[s + i], vr = v_codes[s + i];
-      float mi = exp2_p(std::fma(m_table[mr], m_inv_k, m_bias), false);
-      float vi = exp2_p(std::fma(v_table[vr], v_inv_k, v_bias), false);
-      mi = mr >= 128 ? 0.0f - mi : mi;
-      vi = vr >= 128 ? 0.0f - vi : vi;
-      const float g = GT::load(grad[s + i]);
-      mi = std::fma(mi, h.beta1, g * h.one_minus_beta1);
-      vi = std::fma(vi, h.beta2, (g * g) * h.one_minus_beta2);
-      const float denom = std::fma(std::sqrt(vi), h.inv_bc2_sqrt, h.eps);
-      p[i] = std::fma(-h.step_size, mi / denom, PT::load(param[s + i]) * h.decay);
-      m[i] = mi;
-      v[i] = vi;
+    // the largest decoder exponent of the group: its largest code's
+    const bool saturate = std::fma(mc.log2_max, m_inv_k, m_bias) >= 127.0f ||
+                          std::fma(vc.log2_max, v_inv_k, v_bias) >= 127.0f;
+    if (saturate) {
+      update_group<PT, GT, true>(param + s, grad + s, m_codes + s, v_codes + s, len, h, m_table, v_table, m_inv_k,
+                                 m_bias, v_inv_k, v_bias, p, m, v);
+    } else {
+      update_group<PT, GT, false>(param + s, grad + s, m_codes + s, v_codes + s, len, h, m_table, v_table, m_inv_k,
+                                  m_bias, v_inv_k, v_bias, p, m, v);
     }
     int nonfinite = 0;
     float m_big = 0.0f, v_big = 0.0f, m_small = INFINITY, v_small = INFINITY;
