@@ -16,11 +16,10 @@ Megatron is copied: sharding, grad copies, clipping, the LR scheduler and zero_g
     dequantize on save and re-quantize on load;
   * Float16/FP32 optimizers: the inner `state_dict()` returns torch AdamW's layout (fp32 moments shaped like the
     parameters), `load_state_dict` quantizes fp32 moments it is given.
-  A resumed run is therefore not bit-identical to an uninterrupted one: the moments are re-quantized once.
+  The fp32 moments are exported so that they quantize back to the saved codes and metadata (coat_kernels.optim.
+  exact_export): a run resumed at the same DP size continues bit for bit.
 """
 from __future__ import annotations
-
-from itertools import chain
 
 import torch
 
@@ -66,18 +65,12 @@ class MegatronCoatFP8AdamW(CoatFP8AdamW):
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     def state_dict(self):
-        sd = super().state_dict()
+        sd = self.torch_adamw_state_dict() if self.torch_format_state_dict else super().state_dict()
         # One step per group, as TE FusedAdam has it: Megatron reads it there when TE or apex is installed.
         for saved, group in zip(sd["param_groups"], self.param_groups):
             steps = {float(self.state[p]["step"]) for p in group["params"] if "step" in self.state[p]}
             if len(steps) == 1:
                 saved["step"] = int(steps.pop())
-        if self.torch_format_state_dict:
-            params = list(chain.from_iterable(g["params"] for g in self.param_groups))
-            for index, entry in sd["state"].items():
-                p = params[index]
-                moments = self.fp32_moments(p)
-                sd["state"][index] = {"step": entry["step"], **{k: v.view(p.shape) for k, v in moments.items()}}
         return sd
 
     def load_state_dict(self, state_dict):

@@ -267,6 +267,8 @@ def checkpoint_worker(rank, world, rendezvous, ck_dir):
         after_flat, after_state = flat.detach().clone(), clone_state(state)
         if rank == 0:
             torch.save({**snapshot, "next_loss_rank0": loss_next}, os.path.join(ck_dir, f"{tag}_expected.pt"))
+        torch.save({"flat": after_flat, "state": after_state, "next_loss": loss_next},
+                   os.path.join(ck_dir, f"{tag}_after_rank{rank}.pt"))
 
         e2, *_ = deepspeed.initialize(model=H.make_model(1), config=H.ds_config(stage, dtype))
         e2.load_checkpoint(ck_dir, tag=tag)
@@ -365,7 +367,24 @@ def one_rank_worker(rank, world, rendezvous, ck_dir):
     H.finish_rank()
 
 
-def load_universal_and_check(ck_dir, tag, expected_file, numels, rank, world, next_step, stage=2, dtype="bf16"):
+def universal_same_dp_worker(rank, world, rendezvous, ck_dir):
+    """The ZeRO-2 checkpoint through coat_ds.to_universal, loaded at the same DP size: the step after the load gives
+    the partition and the FP8 state bit for bit as the uninterrupted run's."""
+    H.start_rank(rank, world, rendezvous)
+    import coat_ds  # noqa: F401
+
+    numels = [p.numel() for p in H.make_model().parameters()]
+    expected = torch.load(os.path.join(ck_dir, f"z2_bf16_after_rank{rank}.pt"), weights_only=False)
+    engine = load_universal_and_check(ck_dir, "z2_bf16_universal", "z2_bf16_expected.pt", numels, rank, world,
+                                      next_step=3, next_loss=expected["next_loss"])
+    flat, state = flat_state(engine)
+    assert torch.equal(flat, expected["flat"]), "partition differs after the resumed step"
+    assert not H.states_equal(state, expected["state"]), H.states_equal(state, expected["state"])
+    H.finish_rank()
+
+
+def load_universal_and_check(ck_dir, tag, expected_file, numels, rank, world, next_step, stage=2, dtype="bf16",
+                             next_loss=None):
     """Load a universal checkpoint into an engine of `world` ranks and check it against the saved run: fp32
     weights and (fp32) moments exact, the next loss exact; then one step re-quantizes the moments."""
     import deepspeed
@@ -383,7 +402,8 @@ def load_universal_and_check(ck_dir, tag, expected_file, numels, rank, world, ne
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(state[key][fs:fs + n], expected["moments"][idx][key][po:po + n]), (key, idx)
     loss = engine(*H.batch(next_step, rank, tdt))
-    want = expected["next_loss_rank0"] if "next_loss_rank0" in expected else expected["next_losses"][rank]
+    want = next_loss if next_loss is not None else (
+        expected["next_loss_rank0"] if "next_loss_rank0" in expected else expected["next_losses"][rank])
     assert loss.item() == want, (loss.item(), want)
     engine.backward(loss)
     engine.step()

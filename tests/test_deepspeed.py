@@ -29,7 +29,7 @@ def test_zero_stages_match_single_process(tmp_path):
 
 
 def test_checkpoints_nonfinite_and_resharding(tmp_path):
-    """Same-DP save/load bit-exact (ZeRO-2 bf16, ZeRO-3 fp32); NaN/Inf gradients (DeepSpeed's overflow check skips
+    """Same-DP save/load bit-exact (ZeRO-2 bf16, ZeRO-3 fp32), also through a universal checkpoint (ZeRO-2); NaN/Inf gradients (DeepSpeed's overflow check skips
     the step; without it the optimizer skips the affected groups); zero_to_fp32; DP 2 -> 1 (ZeRO-2 and ZeRO-3) and
     1 -> 2 (ZeRO-2) through coat_ds.to_universal; bad configs; the client-callable route."""
     ck = tmp_path / "ck"
@@ -38,6 +38,7 @@ def test_checkpoints_nonfinite_and_resharding(tmp_path):
     check_zero_to_fp32(ck)
     to_universal(ck / "z2_bf16", ck / "z2_bf16_universal")
     to_universal(ck / "z3_fp32", ck / "z3_fp32_universal")
+    mp.spawn(ds_jobs.universal_same_dp_worker, args=(2, str(tmp_path / "rdzv2u"), str(ck)), nprocs=2, join=True)
     mp.spawn(ds_jobs.one_rank_worker, args=(1, str(tmp_path / "rdzv1"), str(ck)), nprocs=1, join=True)
     to_universal(ck / "dp1", ck / "dp1_universal")
     # a script that never imports coat_ds, under torchrun: registration by the .pth hook, CPU offload, DP 1 -> 2

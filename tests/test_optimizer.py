@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from coat_ds import CoatFP8AdamW
-from coat_kernels.optim import to_fp32
 from coat_kernels.optim import dre_reference as ref
 from coat_kernels.optim.grouping import build_layout
 
@@ -269,3 +268,63 @@ def test_bad_tensors_raise_clear_errors():
     r.grad = torch.randn(8, dtype=torch.bfloat16)  # bf16 grads are fine
     CoatFP8AdamW([r]).step()
     assert CoatFP8AdamW([torch.nn.Parameter(torch.randn(3))], betas=[0.8, 0.9]).defaults["betas"] == (0.8, 0.9)
+
+
+def test_migration_to_torch_adamw_and_back():
+    """torch_adamw_state_dict: torch AdamW loads it and continues; CoatFP8AdamW loads it back bit for bit (its fp32
+    moments quantize to the saved codes and metadata) and continues exactly like the uninterrupted run. A torch AdamW
+    state dict loads into CoatFP8AdamW and is quantized."""
+    from coat_kernels.optim.exact_export import quantized_equal
+
+    def model_and_grads(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(24, 300), torch.nn.Linear(300, 7))
+        return m
+
+    def set_grads(model, step):
+        g = torch.Generator().manual_seed(step)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g) * torch.exp(torch.randn(p.shape, generator=g) * 3) * 1e-3
+
+    model = model_and_grads(0)
+    opt = CoatFP8AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), exp_avg_sq_format="e5m2")
+    for step in range(3):
+        set_grads(model, step)
+        opt.step()
+    sd = opt.torch_adamw_state_dict()
+    assert all(set(e) == {"step", "exp_avg", "exp_avg_sq"} for e in sd["state"].values())
+    assert "exp_avg_format" not in sd["param_groups"][0]
+
+    adamw_model = model_and_grads(0)
+    adamw_model.load_state_dict(model.state_dict())
+    adamw = torch.optim.AdamW(adamw_model.parameters(), lr=1e-3)
+    adamw.load_state_dict(copy.deepcopy(sd))  # torch AdamW steps the loaded tensors in place
+    for (p, q) in zip(model.parameters(), adamw_model.parameters()):
+        assert torch.equal(adamw.state[q]["exp_avg"], opt.fp32_moments(p)["exp_avg"].view(p.shape))
+    set_grads(adamw_model, 3)
+    adamw.step()
+    assert float(adamw.state[next(adamw_model.parameters())]["step"]) == 4
+
+    back_model = model_and_grads(0)
+    back_model.load_state_dict(model.state_dict())
+    back = CoatFP8AdamW(back_model.parameters(), lr=1e-3, exp_avg_sq_format="e5m2")
+    back.load_state_dict(sd)
+    back.initialize_state()
+    for p, q in zip(model.parameters(), back_model.parameters()):
+        a, b = opt.state[p], back.state[q]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert quantized_equal(a[key + "_q"], a[key + "_meta"], b[key + "_q"], b[key + "_meta"]), key
+    for step in (3, 4):
+        set_grads(model, step)
+        set_grads(back_model, step)
+        opt.step()
+        back.step()
+    for p, q in zip(model.parameters(), back_model.parameters()):
+        assert torch.equal(p, q)
+
+    into_coat = CoatFP8AdamW(adamw_model.parameters(), lr=1e-3)
+    into_coat.load_state_dict(adamw.state_dict())
+    into_coat.initialize_state()
+    assert all(s["exp_avg_q"].dtype == torch.float8_e4m3fn and "exp_avg" not in s for s in into_coat.state.values())
+    set_grads(adamw_model, 4)
+    into_coat.step()

@@ -113,11 +113,11 @@ class CoatFP8AdamW(torch.optim.Optimizer):
     def fp32_moments(self, p: torch.Tensor) -> dict:
         """{"exp_avg", "exp_avg_sq"}: fp32, flat, on p's device (zeros before the first step). `set_fp32_moments`
         with these values restores the state bit for bit (what checkpoints in fp32 formats rely on)."""
-        group_index, group = self._group_of(p)
         state = self.state[p]
         if not coat_state.is_coat_state(state) or "exp_avg" in state:
+            group_index, group = self._group_of(p)
             self._init_state(p, group, group_index)
-        return coat_state.to_fp32(self.state[p], *self.group_config(group).moment_configs())
+        return coat_state.to_fp32(self.state[p], *self._config_of(p).moment_configs())
 
     def set_fp32_moments(self, p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                          step: float | None = None) -> None:
@@ -227,6 +227,17 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         return self._skipped[device]
 
     # ---- state ------------------------------------------------------------------------------------------------
+    def _config_of(self, p) -> OptimizerConfig:
+        """The COAT options of p's param group; for a tensor with a state outside param_groups (ZeRO-3 swaps its
+        sub-group tensors in only while stepping) the options all groups share."""
+        try:
+            return self.group_config(self._group_of(p)[1])
+        except KeyError:
+            configs = {self.group_config(group) for group in self.param_groups}
+            if len(configs) != 1:
+                raise KeyError("a state tensor outside param_groups, and the groups' COAT options differ") from None
+            return configs.pop()
+
     def _group_of(self, p):
         for index, group in enumerate(self.param_groups):
             if any(p is q for q in group["params"]):
@@ -260,6 +271,23 @@ class CoatFP8AdamW(torch.optim.Optimizer):
             layout = build_layout(state["segments"], state["exp_avg_q"].numel(), int(state["group_size"]))
             self._layouts[p] = layout
         return layout
+
+    def torch_adamw_state_dict(self) -> dict:
+        """The state in torch.optim.AdamW's layout: per parameter `step` and fp32 `exp_avg` / `exp_avg_sq` shaped like
+        it; param groups without the COAT options. `torch.optim.AdamW(params).load_state_dict(...)` continues the run
+        without COAT; `CoatFP8AdamW.load_state_dict` takes it back, with the FP8 state restored bit for bit on the
+        same tensors. (A torch AdamW state dict loads into CoatFP8AdamW as it is: its moments are quantized.)"""
+        sd = super().state_dict()
+        params = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        for index, entry in sd["state"].items():
+            p = params[index]
+            if coat_state.is_coat_state(entry):
+                moments = self.fp32_moments(p)
+                sd["state"][index] = {"step": entry["step"].clone(), **{k: v.view(p.shape) for k, v in moments.items()}}
+        for group in sd["param_groups"]:
+            for key in GROUP_OPTION_NAMES:
+                group.pop(key, None)
+        return sd
 
     def load_state_dict(self, state_dict):
         # torch casts every floating state tensor to the param's dtype: keep codes FP8 and metadata fp32.
