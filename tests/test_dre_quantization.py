@@ -261,3 +261,30 @@ def test_moments_up_to_fp32_max_decode_finite(backend):
     assert rel_err(d[:4], top) < 0.3 and rel_err(d[G:G + 4], top) < 0.07
     y = torch.tensor([127.0, 127.4999, 127.5, 127.9, 127.99999, 128.0 - 2 ** -17])
     assert torch.isfinite(pm.exp2(y)).all() and ((pm.exp2(y).double() / torch.exp2(y.double()) - 1).abs() < 1e-5).all()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("expand, keep_nonzero, group_size", [(True, False, 128), (True, True, 32), (False, True, 128)])
+def test_exact_export_quantizes_back_to_the_same_state(fmt, expand, keep_nonzero, group_size):
+    """fp32 moments from exact_export.export quantize back to the same metadata bits and code values (plain
+    dequantization does not), on heavy-tailed values, 76-decade log-uniform ones, zeros, constant and near-constant
+    groups, over ragged segments."""
+    from coat_kernels.optim.exact_export import export, quantized_equal
+
+    g = torch.Generator().manual_seed(0)
+    n = 20_000
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)
+    x[5000:10000] = 10 ** (torch.rand(5000, generator=g) * 76 - 38) * torch.sign(torch.randn(5000, generator=g))
+    x[10000:10500] = 0
+    x[10500:11000] = 2.5
+    x[11000:11500] = torch.where(torch.rand(500, generator=g) < 0.5, 1.0, 1.0 + 2 ** -20)
+    x[::7] = 0
+    layout = build_layout([(0, 3001, 3), (3001, n - 3001, 77)], n, group_size)
+    cfg = ref.DREConfig(fmt, expand=expand, keep_nonzero=keep_nonzero)
+    codes, meta = ref.quantize(x, layout, cfg)
+    values, failed = export(codes, meta, layout, cfg)
+    assert failed == 0 and torch.isfinite(values).all()
+    assert quantized_equal(*ref.quantize(values, layout, cfg), codes, meta)
+    assert torch.equal(ref.dequantize(*ref.quantize(values, layout, cfg), layout), ref.dequantize(codes, meta, layout))
+    if expand:
+        assert not quantized_equal(*ref.quantize(ref.dequantize(codes, meta, layout), layout, cfg), codes, meta)

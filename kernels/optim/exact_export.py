@@ -55,8 +55,7 @@ def export(codes: torch.Tensor, meta: torch.Tensor, layout: GroupLayout, cfg: DR
 
 def quantized_equal(codes_a, meta_a, codes_b, meta_b) -> bool:
     """Same metadata bits and same code values (the sign of a zero code aside)."""
-    a, b = codes_a.view(torch.uint8), codes_b.view(torch.uint8)
-    same_codes = torch.equal(torch.where(a == 0x80, 0, a), torch.where(b == 0x80, 0, b))
+    same_codes = torch.equal(_zero_sign_dropped(codes_a.view(torch.uint8)), _zero_sign_dropped(codes_b.view(torch.uint8)))
     return same_codes and torch.equal(meta_a.view(torch.int32), meta_b.view(torch.int32))
 
 
@@ -84,11 +83,13 @@ def _anchor_groups(x, raw, valid, meta, cfg):
     if cfg.expand:
         inf = torch.full_like(mag, 1 << 20)
         code_min = torch.where(valid & (mag > 0), mag, inf).amin(dim=1)
-        constant = code_min == code_max  # one magnitude: the anchors coincide
         zero_code = valid & (mag == 0)
-        ok &= constant | (small_code == code_min) | ((small_code == 0) & zero_code.any(dim=1))
-        carries_small = torch.where(small_code[:, None] > 0, valid & (mag == code_min[:, None]), _first(zero_code))
-        out = torch.where(carries_small & ~constant[:, None], _signed(small, negative), out)
+        ok &= (small_code == code_min) | ((small_code == 0) & zero_code.any(dim=1))
+        at_min = valid & (mag == code_min[:, None])
+        # one nonzero code (M and m share it): one of its elements carries m', the others M'
+        at_min = torch.where((code_min == code_max)[:, None], _first(at_min), at_min)
+        carries_small = torch.where(small_code[:, None] > 0, at_min, _first(zero_code))
+        out = torch.where(carries_small, _signed(small, negative), out)
     ok = torch.where(nonzero_groups, ok, True)  # all-zero groups: zeros come back as zeros
     out = torch.where(nonzero_groups[:, None], out, x)
     ok &= _requantizes(out, raw, valid, meta, cfg)
@@ -157,11 +158,12 @@ def _first(mask: torch.Tensor) -> torch.Tensor:
 
 def _requantizes(values, raw, valid, meta, cfg) -> torch.Tensor:
     """Per group: quantizing `values` again gives `meta` bit for bit and the same code values."""
-    ax = values.abs().masked_fill(~valid, 0.0)
-    small = torch.where(ax >= pm.MIN_NORMAL, ax, torch.inf).amin(dim=1)
-    new_meta = reference.group_params(ax.amax(dim=1), small, cfg)
-    new_raw = reference.encode(values, new_meta, cfg).view(torch.uint8)
+    new_codes, new_meta = reference._quantize_rows(values, valid, cfg)
     same_meta = (new_meta.view(torch.int32) == meta.view(torch.int32)).all(dim=0)
-    canon = lambda r: torch.where(r == 0x80, 0, r)  # noqa: E731
-    same_codes = ((canon(new_raw) == canon(raw)) | ~valid).all(dim=1)
+    new_raw = new_codes.view(torch.uint8)
+    same_codes = ((_zero_sign_dropped(new_raw) == _zero_sign_dropped(raw)) | ~valid).all(dim=1)
     return same_meta & same_codes
+
+
+def _zero_sign_dropped(raw: torch.Tensor) -> torch.Tensor:
+    return torch.where(raw == 0x80, 0, raw)
