@@ -1,6 +1,7 @@
 """Which dtype should hold the 1x16 group scales? Quantization error of E4M3 / E5M2 1x16 groups with the scale
-(computed in fp32 as amax / FP8_MAX) stored as fp32, as bf16 (rounded up) or as a power-of-two exponent byte
-(E8M0, rounded up), on several activation-like distributions. CPU, seconds.
+(computed in fp32 as amax / FP8_MAX) stored as fp32, as bf16 rounded to nearest (the largest element of a group then
+saturates to FP8_MAX when the scale was rounded down; what the kernels do), as bf16 rounded up (nothing saturates) or
+as a power-of-two exponent byte (E8M0, rounded up), on several activation-like distributions. CPU, seconds.
 
     python benchmarks/bench_act_scale_dtype.py
 """
@@ -16,7 +17,9 @@ def quantize(x, fmt, scale_kind):
     g = x.reshape(-1, 16)
     amax = g.abs().amax(-1, keepdim=True)
     s = torch.where(amax > 0, amax / fmt.max, torch.ones_like(amax))
-    if scale_kind == "bf16":
+    if scale_kind == "bf16 nearest":
+        s = s.bfloat16().float()
+    elif scale_kind == "bf16 up":
         sb = s.bfloat16()
         s = torch.where(sb.float() < s, torch.nextafter(sb, torch.full_like(sb, float("inf"))), sb).float()
     elif scale_kind == "e8m0":
@@ -31,12 +34,13 @@ def distributions():
     yield "student-t(3)", torch.distributions.StudentT(3.0).sample((N,))
     yield "swiglu product", g * torch.sigmoid(g) * u
     yield "channel outliers x100", gauss * torch.where(torch.arange(N) % 512 < 4, 100.0, 1.0)
+    yield "one x100 outlier / group", gauss * torch.where(torch.arange(N) % 16 == 5, 100.0, 1.0)
     yield "log-uniform 1e-4..1e4", torch.exp(torch.empty(N).uniform_(-9.2, 9.2)) * torch.randn(N).sign()
 
 
 def main():
-    kinds = {"fp32": 4, "bf16": 2, "e8m0": 1}
-    print("relative L2 error (max relative error of normal-range values) by scale storage; bytes/element")
+    kinds = {"fp32": 4, "bf16 nearest": 2, "bf16 up": 2, "e8m0": 1}
+    print("relative L2 error by scale storage; bytes/element")
     print(f"{'distribution':24s} {'fmt':5s} " + "  ".join(f"{k} ({1 + b / 16:.4f} B)".rjust(24) for k, b in kinds.items()))
     for name, x in distributions():
         for fmt in (E4M3, E5M2):

@@ -65,16 +65,32 @@ def test_group_quantize_triton_matches_reference(fmt):
     assert torch.allclose(b_ref.float(), b_tri.float(), rtol=2 ** -7, atol=0, equal_nan=True)
 
 
-def test_group_scales_are_bf16_rounded_up_and_error_is_bounded():
+def test_group_scales_are_bf16_rounded_to_nearest_and_error_is_bounded():
     x = spread(64, 128)
     q, e = GQ.group_quantize(x, E4M3, False)
     scale = e.float()
     amax = x.float().reshape(64, 8, 16).abs().amax(-1)
-    assert bool((amax / scale <= 448).all()) and bool((amax / scale > 448 * (1 - 2 ** -7)).all())
+    assert same(e, (amax / 448).bfloat16())  # nearest, ties to even
+    assert bool(((amax / scale - 448).abs() <= 448 * 2 ** -8).all())
     d = GQ.group_dequantize(q, e, False, torch.float32)
     big = x.float().abs() >= scale.repeat_interleave(16, -1) * 2.0 ** -6  # normal range of E4M3
     rel = ((d - x.float()).abs() / x.float().abs())[big]
     assert rel.max().item() <= 2.0 ** -4 + 1e-6
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+def test_group_scale_ties_to_even_and_the_largest_element_saturates(fmt):
+    """amax / FP8_MAX exactly halfway between two bf16 values rounds to the even one (down for 1 + 2^-8, up for
+    1 + 3 * 2^-8); rounded down, the largest element saturates to +-FP8_MAX, never NaN; the kernel agrees."""
+    x = torch.full((2, 32), 0.5)
+    x[0, 3] = fmt.max * (1 + 2 ** -8)
+    x[0, 20] = -fmt.max * (1 + 3 * 2 ** -8)
+    x[1, :16] = 1e-45  # a subnormal amax: the scale stays the smallest normal fp32
+    for use_triton in (False, True):
+        q, e = GQ.group_quantize(x, fmt, use_triton)
+        assert e[0].float().tolist() == [1.0, 1 + 2 ** -6] and e[1, 0].float().item() == 2.0 ** -126
+        assert q[0, 3].float().item() == fmt.max and not q.float().isnan().any()
+        assert GQ.group_dequantize(q, e, use_triton, torch.float32)[0, 20].item() == -fmt.max * (1 + 2 ** -6)
 
 
 def test_group_quantize_special_groups():

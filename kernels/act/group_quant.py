@@ -1,8 +1,9 @@
 """1x16 group quantization: what non-linear layers consume and save.
 
-One scale per 16 consecutive elements of the last dim, computed in fp32 as amax / FP8_MAX, rounded UP to the next
-bf16 value (so nothing saturates) and stored as bf16; a group holding Inf/NaN gets a NaN scale and dequantizes to
-NaN (only that group). Each op has a torch reference (the CPU path and the test oracle) and a Triton kernel.
+One scale per 16 consecutive elements of the last dim, computed in fp32 as amax / FP8_MAX, rounded to the nearest
+bf16 value (ties to even) and stored as bf16; where that rounds down, the group's largest element saturates to
+FP8_MAX (an error below bf16's half step, smaller than rounding the scale up: benchmarks/bench_act_scale_dtype.py).
+A group holding Inf/NaN gets a NaN scale and dequantizes to NaN (only that group). Each op has a torch reference (the CPU path and the test oracle) and a Triton kernel.
 """
 from __future__ import annotations
 
@@ -43,9 +44,9 @@ def _group_dequantize_kernel(codes_ptr, scales_ptr, y_ptr, M, K, BM: tl.constexp
 
 # ------------------------------------------------------------------------------------------- torch references
 def encode_group_scale_reference(amax: torch.Tensor, nonfinite: torch.Tensor, fp8_max: float) -> torch.Tensor:
-    """bf16 scales >= amax / fp8_max (rounded up); 1 for all-zero groups; NaN for groups holding Inf/NaN."""
-    bits = (amax.float() / fp8_max).view(torch.int32).clamp(min=0x00800000)
-    scale = ((bits + 0xFFFF) & -65536).view(torch.float32)
+    """bf16 scales nearest to amax / fp8_max (ties to even, at least the smallest normal fp32); 1 for all-zero
+    groups; NaN for groups holding Inf/NaN."""
+    scale = (amax.float() / fp8_max).clamp(min=torch.finfo(torch.float32).tiny).to(SCALE_DTYPE).float()
     scale = torch.where(amax == 0, 1.0, scale)
     return torch.where(nonfinite, float("nan"), scale).to(SCALE_DTYPE)
 

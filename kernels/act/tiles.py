@@ -29,10 +29,11 @@ def nanmax(a, b):
 
 @triton.jit
 def encode_group_scale(amax, FP8_MAX: tl.constexpr):
-    """fp32 scale >= amax / FP8_MAX rounded up to a bf16 value (stored exactly as bf16); 1 for an all-zero group,
-    NaN for a group holding Inf/NaN (amax Inf or NaN: the amax reductions propagate NaN)."""
+    """fp32 scale: amax / FP8_MAX rounded to the nearest bf16 value, ties to even (stored exactly as bf16; the
+    group's largest element may then saturate to FP8_MAX); 1 for an all-zero group, NaN for a group holding Inf/NaN
+    (amax Inf or NaN: the amax reductions propagate NaN)."""
     bits = tl.maximum((amax / FP8_MAX).to(tl.int32, bitcast=True), 0x00800000)  # >= the smallest normal fp32
-    scale = ((bits + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
+    scale = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
     scale = tl.where(amax == 0, 1.0, scale)
     return tl.where((amax != amax) | (amax == float("inf")), float("nan"), scale)
 
