@@ -4,7 +4,8 @@ DeepSpeed 0.19.8 has no optimizer registry: for a `type` it does not know it bui
 with the config params as keywords, and ZeRO accepts only optimizers listed in
 `deepspeed.runtime.zero.utils.ZERO_SUPPORTED_OPTIMIZERS` (else it asks for `zero_allow_untested_optimizer`).
 `register_with_deepspeed()` adds CoatFP8AdamW to both, and makes the engine refuse, at `deepspeed.initialize`,
-the modes that cannot carry FP8 states (elastic checkpoints, NVMe optimizer swap).
+the modes that cannot carry FP8 states (elastic checkpoints, NVMe optimizer swap); DeepSpeed's per-parameter
+optimizer-state functions (`safe_get_full_optimizer_state`, ...) answer in fp32 moments (coat_ds.full_optimizer_state).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from coat_kernels.optim import state_report
 
-from . import engine_hooks
+from . import engine_hooks, full_optimizer_state
 from .optimizer import CoatFP8AdamW
 
 OPTIMIZER_NAME = "CoatFP8AdamW"
@@ -31,6 +32,7 @@ def register_with_deepspeed() -> None:
         zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(CoatFP8AdamW)
     _guard_engine_config(DeepSpeedEngine)
     engine_hooks.install(DeepSpeedEngine)
+    full_optimizer_state.install()
 
 
 def check_engine_config(engine) -> None:

@@ -6,7 +6,9 @@ engines run it through `super().__init__`):
   typo) fails with the right name instead of DeepSpeed's "is not a supported DeepSpeed Optimizer";
 - the `"coat"` section (coat_ds.ds_config): with `"fp8_activations": true` the model is converted
   (coat_ds.hf.convert_to_coat) before DeepSpeed wraps and partitions it;
-- after the engine is built: the converted model's weight-cache clock ticks after every step of the engine's torch
+- after the engine is built: under ZeRO-1/2 each parameter is linked to its optimizer (DeepSpeed's
+  `_create_optimizer_mapping`, which DeepSpeed itself runs only with CPU offload), for
+  coat_ds.full_optimizer_state; the converted model's weight-cache clock ticks after every step of the engine's torch
   optimizer, and under ZeRO-3 the parameters the COAT forwards read from submodules (q/k/v, gate/up, ... and the
   LM head for the chunked loss) are registered with the module that reads them, so ZeRO-3 gathers them there.
 """
@@ -53,9 +55,17 @@ def convert_for_section(model, ds_config: dict | None, config_class) -> bool:
 
 
 def finish_engine(engine) -> None:
-    """Tie a converted model's runtime to the engine's optimizer; ZeRO-3: register the parameters COAT reads."""
+    """Link a ZeRO-1/2 CoatFP8AdamW's parameters to their optimizer; tie a converted model's runtime to the engine's
+    optimizer; ZeRO-3: register the parameters COAT reads."""
     from .hf import CoatCausalLM, CoatDecoderLayer, coat_runtime
+    from .optimizer import CoatFP8AdamW
 
+    wrapper = getattr(engine, "optimizer", None)
+    if isinstance(getattr(engine, "basic_optimizer", None), CoatFP8AdamW) and \
+            hasattr(wrapper, "_create_optimizer_mapping"):
+        # DeepSpeed's own link from each parameter to its ZeRO-1/2 optimizer (made by DeepSpeed only with CPU
+        # offload): coat_ds.full_optimizer_state finds the FP8 states through it
+        wrapper._create_optimizer_mapping()
     runtime = coat_runtime(getattr(engine, "module", None))
     if runtime is None:
         return

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 import ds_helpers as H
@@ -155,6 +156,8 @@ def stages_worker(rank, world, rendezvous, out_dir):
             assert abs(a - b) <= loss_tol * abs(b), f"{label}: losses {losses} vs single-process {ref_losses}"
         if (stage, dtype, same_data) == (2, "fp32", True) and not extra:
             triton_on_same_layout(engine, rank)
+        if stage and wrapper != "BF16_Optimizer" and same_data:
+            check_full_optimizer_state(engine, numels, stage, label)
         rep = optimizer_state_report(engine)
         assert 2.0 <= rep["bytes_per_element"] <= 2.6, (label, rep)
         report.append((label, losses[-1], rep["state_bytes"], rep["stepped_numel"]))
@@ -201,6 +204,44 @@ def compare_with_reference(engine, stage, dtype, numels, rank, world, snapshot, 
                     f"{b[~cut][diff[:4]].tolist()}"
             if exact and cut.any():
                 assert not torch.equal(a[cut], b[cut]), f"{label}: cut groups identical (test not sensitive)"
+
+
+def check_full_optimizer_state(engine, numels, stage, label):
+    """DeepSpeed's per-parameter optimizer-state API answers in fp32 moments: get equals the moments assembled from
+    the flat states; set writes a parameter's moment (re-quantized on its groups) and leaves every other moment bit
+    for bit; setting back what get returned restores the state bit for bit; a wrong key fails on every rank."""
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    flat, state = flat_state(engine)
+    before = clone_state(state)
+    expected = gathered_moments(engine, numels, stage)
+    got = [{k: deepspeed.utils.safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")} for p in params]
+    for idx, (g, e) in enumerate(zip(got, expected)):
+        for k in g:
+            assert g[k].dtype == torch.float32 and g[k].shape == params[idx].shape, (label, idx, k)
+            assert torch.equal(g[k].view(-1), e[k]), f"{label}: safe_get_full_optimizer_state({idx}, {k})"
+    new = got[1]["exp_avg"] * -3.0 + 1e-4
+    deepspeed.utils.safe_set_full_optimizer_state(params[1], new, "exp_avg")
+    after = gathered_moments(engine, numels, stage)
+    for idx in range(len(params)):
+        for k in ("exp_avg", "exp_avg_sq"):
+            if (idx, k) != (1, "exp_avg"):
+                assert torch.equal(after[idx][k], expected[idx][k]), f"{label}: set changed {k} of param {idx}"
+    err = (after[1]["exp_avg"] - new.view(-1)).abs().max() / new.abs().max()
+    assert 0 < err < 2 ** -4, f"{label}: set exp_avg off by {err:.4f} of its max"
+    deepspeed.utils.safe_set_full_optimizer_state(params[1], got[1]["exp_avg"], "exp_avg")
+    assert not H.states_equal(before, flat_state(engine)[1]), f"{label}: set(get()) changed the state"
+    with pytest.raises(ValueError, match="exp_avg_sq"):
+        deepspeed.utils.safe_get_full_optimizer_state(params[0], "momentum_buffer")
+    with pytest.raises(ValueError, match="elements"):
+        deepspeed.utils.safe_set_full_optimizer_state(params[0], torch.zeros(3), "exp_avg")
+    if stage == 3:
+        local = deepspeed.utils.safe_get_local_optimizer_state(params[2], "exp_avg_sq")
+        deepspeed.utils.safe_set_local_optimizer_state(params[2], local * 0.0, "exp_avg_sq")
+        assert not deepspeed.utils.safe_get_local_optimizer_state(params[2], "exp_avg_sq").any(), label
+        deepspeed.utils.safe_set_local_optimizer_state(params[2], local, "exp_avg_sq")
+        assert not H.states_equal(before, flat_state(engine)[1]), f"{label}: local set(get()) changed the state"
 
 
 def triton_on_same_layout(torch_engine, rank):

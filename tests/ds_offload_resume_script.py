@@ -1,6 +1,6 @@
 """One rank of a torchrun job: DeepSpeed ZeRO-2 bf16 with the optimizer offloaded to the CPU (CoatFP8AdamW's C++
 step): 4 steps straight, and 2 steps + checkpoint + a fresh engine loading it + 2 steps, give bit-identical weights,
-optimizer states and losses.  Usage: torchrun --nproc_per_node 2 THIS CKPT_DIR
+optimizer states and losses; DeepSpeed's safe_get/set_full_optimizer_state on the offloaded FP8 states.  Usage: torchrun --nproc_per_node 2 THIS CKPT_DIR
 """
 import faulthandler
 import importlib
@@ -60,6 +60,16 @@ resumed.load_checkpoint(sys.argv[1], tag="t2")
 losses_resumed = steps(resumed, 2, 2)
 assert losses_resumed == losses_straight[2:], (losses_resumed, losses_straight)
 for a, b in zip(snapshot(resumed), final_straight):
+    assert torch.equal(H.fp8_bytes(a), H.fp8_bytes(b))
+# DeepSpeed's per-parameter API on the offloaded states: fp32 moments, and set(get()) leaves the state bit for bit
+before = snapshot(resumed)
+for p in resumed.module.parameters():
+    for key in ("exp_avg", "exp_avg_sq"):
+        value = deepspeed.utils.safe_get_full_optimizer_state(p, key)
+        assert value.dtype == torch.float32 and value.shape == p.shape and bool(torch.isfinite(value).all())
+        deepspeed.utils.safe_set_full_optimizer_state(p, value, key)
+assert any(deepspeed.utils.safe_get_full_optimizer_state(p, "exp_avg").any() for p in resumed.module.parameters())
+for a, b in zip(snapshot(resumed), before):
     assert torch.equal(H.fp8_bytes(a), H.fp8_bytes(b))
 print(f"rank {rank}: offload resume bit-exact, losses {losses_resumed}", flush=True)
 H.finish_rank()

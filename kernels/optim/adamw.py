@@ -122,12 +122,12 @@ class CoatFP8AdamW(torch.optim.Optimizer):
     def set_fp32_moments(self, p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                          step: float | None = None) -> None:
         """Replace p's moments by these fp32 values (p's numel, any shape), quantized now on p's groups."""
-        group_index, group = self._group_of(p)
         state = self.state[p]
         if not coat_state.is_coat_state(state):
+            group_index, group = self._group_of(p)
             self._init_state(p, group, group_index)
         layout = self._layout(p, state)
-        m_cfg, v_cfg = self.group_config(group).moment_configs()
+        m_cfg, v_cfg = self._config_of(p).moment_configs()
         state.update(coat_state.from_fp32(exp_avg.to(p.device), exp_avg_sq.to(p.device), layout, m_cfg, v_cfg,
                                           self._use_triton(p, layout.group_size)))
         if step is not None:
