@@ -410,18 +410,21 @@ def one_rank_worker(rank, world, rendezvous, ck_dir):
 
 
 def universal_same_dp_worker(rank, world, rendezvous, ck_dir):
-    """The ZeRO-2 checkpoint through coat_ds.to_universal, loaded at the same DP size: the step after the load gives
-    the partition and the FP8 state bit for bit as the uninterrupted run's."""
+    """The ZeRO-2 bf16 and ZeRO-3 fp32 checkpoints through coat_ds.to_universal, loaded at the same DP size: the
+    step after the load gives the partition and the FP8 state bit for bit as the uninterrupted run's."""
     H.start_rank(rank, world, rendezvous)
     import coat_ds  # noqa: F401
 
     numels = [p.numel() for p in H.make_model().parameters()]
-    expected = torch.load(os.path.join(ck_dir, f"z2_bf16_after_rank{rank}.pt"), weights_only=False)
-    engine = load_universal_and_check(ck_dir, "z2_bf16_universal", "z2_bf16_expected.pt", numels, rank, world,
-                                      next_step=3, next_loss=expected["next_loss"])
-    flat, state = flat_state(engine)
-    assert torch.equal(flat, expected["flat"]), "partition differs after the resumed step"
-    assert not H.states_equal(state, expected["state"]), H.states_equal(state, expected["state"])
+    for stage, dtype in ((2, "bf16"), (3, "fp32")):
+        tag = f"z{stage}_{dtype}"
+        expected = torch.load(os.path.join(ck_dir, f"{tag}_after_rank{rank}.pt"), weights_only=False)
+        engine = load_universal_and_check(ck_dir, f"{tag}_universal", f"{tag}_expected.pt", numels, rank, world,
+                                          next_step=3, stage=stage, dtype=dtype, next_loss=expected["next_loss"])
+        flat, state = flat_state(engine)
+        assert torch.equal(flat, expected["flat"]), f"{tag}: partition differs after the resumed step"
+        assert not H.states_equal(state, expected["state"]), (tag, H.states_equal(state, expected["state"]))
+        del engine
     H.finish_rank()
 
 
