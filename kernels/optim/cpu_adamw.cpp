@@ -4,12 +4,15 @@
 // the reference: IEEE division and square root, fused multiply-adds exactly where the reference writes pm.fma
 // (std::fma; built with -ffp-contract=off so that nothing else is fused), portable_math's log2/exp2 polynomials, and
 // round-to-nearest-even, saturating FP8 encodings. Groups run in parallel (OpenMP); the loops over a group's elements
-// are plain fp32 arithmetic the compiler vectorizes.
+// are plain fp32 arithmetic the compiler vectorizes; the code -> log2 lookups use AVX-512 permutes where available.
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -87,26 +90,19 @@ struct Format {  // an FP8 format's encoding
   float max, min_subnormal, inv_min_subnormal;
 };
 
-// Round-to-nearest-even FP8 code of fp32 x (callers clamp to +-max first, as the reference does; NaN gives a NaN
-// code), for a format with M mantissa bits, smallest normal exponent MIN_EXP and exponent bias BIAS. Branch-free
-// with compile-time shifts, so that the loops calling it vectorize.
+// Round-to-nearest-even FP8 code of the magnitude a (0 <= a <= the format's max; NaN gives the NaN code), for a format
+// with M mantissa bits, smallest normal exponent MIN_EXP and exponent bias BIAS. Normal range: the fp32 bits rounded
+// to M mantissa bits in integer arithmetic (a carry out of the mantissa moves into the exponent, as it should), then
+// re-biased; below 2^MIN_EXP: the nearest multiple of the smallest subnormal (a * 1/min_subnormal is exact; adding
+// 1.5 * 2^23 rounds it to an integer, nearest even). Branch-free, so that the loops calling it vectorize.
 template <int M, int MIN_EXP, int BIAS>
-inline uint8_t fp8_code(float x, float max, float inv_min_subnormal) {
-  const uint32_t sign = (bits_of(x) >> 24) & 0x80u;
-  const float a = std::fabs(x);
-  const int exp = static_cast<int>((bits_of(a) >> 23) & 0xFFu) - 127;
-  const int step_exp = (exp > MIN_EXP ? exp : MIN_EXP) - M;
-  const float step = float_of(static_cast<uint32_t>(step_exp + 127) << 23);
-  const float inv_step = float_of(static_cast<uint32_t>(127 - step_exp) << 23);
-  float r = ((a * inv_step + 12582912.0f) - 12582912.0f) * step;
-  r = r > max ? max : r;
-  const uint32_t rb = bits_of(r);
-  const int e = static_cast<int>((rb >> 23) & 0xFFu) - 127;
-  const uint32_t normal = (static_cast<uint32_t>(e + BIAS) << M) | ((rb & 0x7FFFFFu) >> (23 - M));
-  const uint32_t subnormal = static_cast<uint32_t>(r * inv_min_subnormal);  // an exact multiple
-  uint32_t code = e >= MIN_EXP ? normal : subnormal;
-  code = a != a ? (M == 3 ? 0x7Fu : 0x7Eu) : code;
-  return static_cast<uint8_t>(sign | code);
+inline uint32_t fp8_magnitude_code(float a, float inv_min_subnormal) {
+  const uint32_t b = bits_of(a);
+  const uint32_t rounded = (b + ((1u << (22 - M)) - 1u) + ((b >> (23 - M)) & 1u)) >> (23 - M);
+  const uint32_t normal = rounded - (static_cast<uint32_t>(127 - BIAS) << M);
+  const uint32_t subnormal = bits_of(a * inv_min_subnormal + 12582912.0f) - 0x4B400000u;
+  const uint32_t code = b >= static_cast<uint32_t>(127 + MIN_EXP) << 23 ? normal : subnormal;
+  return a != a ? (M == 3 ? 0x7Fu : 0x7Eu) : code;
 }
 
 struct Moment {  // dre_reference.DREConfig, with the constants the kernels use
@@ -149,9 +145,10 @@ void encode_group(const float* x, uint8_t* q, int len, const Meta m, const Momen
     const float ax = std::fabs(x[i]);
     float y = exp2_p(std::fma(k, log2_p(ax, true), -offset), true);
     y = keep_nonzero && ax >= kMinNormal && y < min_sub ? min_sub : y;
-    y = x[i] < 0.0f ? 0.0f - y : y;
-    y = y < -max ? -max : (y > max ? max : y);
-    q[i] = fp8_code<M, MIN_EXP, BIAS>(y, max, inv_min_sub);
+    y = y > max ? max : y;
+    // the reference negates as 0 - y: a zero y stays +0, a nonzero one keeps the sign even when it rounds to 0
+    const uint32_t sign = x[i] < 0.0f && y != 0.0f ? 0x80u : 0u;
+    q[i] = static_cast<uint8_t>(sign | fp8_magnitude_code<M, MIN_EXP, BIAS>(y, inv_min_sub));
   }
 }
 
@@ -169,6 +166,29 @@ inline uint16_t float_to_bf16(float x) {  // round to nearest even, NaN kept (as
   const uint32_t u = bits_of(x);
   const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40u : rounded);
+}
+
+// out[i] = table[codes[i]] for a code's log2 table of 256 entries whose halves are equal (the sign bit does not
+// matter). With AVX-512 the 128 distinct entries stay in eight registers and each 16 codes take four two-register
+// permutes and three blends (a gather per 16 codes is several times slower on recent x86 cores).
+inline void lookup(const uint8_t* codes, int len, const float* table, float* out) {
+  int i = 0;
+#if defined(__AVX512F__)
+  const __m512 t0 = _mm512_loadu_ps(table), t1 = _mm512_loadu_ps(table + 16), t2 = _mm512_loadu_ps(table + 32),
+               t3 = _mm512_loadu_ps(table + 48), t4 = _mm512_loadu_ps(table + 64), t5 = _mm512_loadu_ps(table + 80),
+               t6 = _mm512_loadu_ps(table + 96), t7 = _mm512_loadu_ps(table + 112);
+  const __m512i bit5 = _mm512_set1_epi32(32), bit6 = _mm512_set1_epi32(64);
+  for (; i + 16 <= len; i += 16) {
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
+    const __mmask16 upper32 = _mm512_test_epi32_mask(idx, bit5), upper64 = _mm512_test_epi32_mask(idx, bit6);
+    const __m512 low = _mm512_mask_blend_ps(upper32, _mm512_permutex2var_ps(t0, idx, t1),
+                                            _mm512_permutex2var_ps(t2, idx, t3));
+    const __m512 high = _mm512_mask_blend_ps(upper32, _mm512_permutex2var_ps(t4, idx, t5),
+                                             _mm512_permutex2var_ps(t6, idx, t7));
+    _mm512_storeu_ps(out + i, _mm512_mask_blend_ps(upper64, low, high));
+  }
+#endif
+  for (; i < len; ++i) out[i] = table[codes[i]];
 }
 
 struct Scalars { float decay, step_size, inv_bc2_sqrt, eps, beta1, one_minus_beta1, beta2, one_minus_beta2; };
@@ -190,13 +210,16 @@ template <typename PT, typename GT, bool SATURATE>
 inline void update_group(const typename PT::T* param, const typename GT::T* grad, const uint8_t* m_codes,
                          const uint8_t* v_codes, int len, const Scalars& h, const float* m_table, const float* v_table,
                          float m_inv_k, float m_bias, float v_inv_k, float v_bias, float* p, float* m, float* v) {
+  float m_log2[kMaxGroup], v_log2[kMaxGroup];
+  lookup(m_codes, len, m_table, m_log2);
+  lookup(v_codes, len, v_table, v_log2);
 #pragma omp simd
   for (int i = 0; i < len; ++i) {
     const uint8_t mr = m_codes[i], vr = v_codes[i];
-    float mi = SATURATE ? exp2_p(std::fma(m_table[mr], m_inv_k, m_bias), false)
-                        : exp2_unsaturated(std::fma(m_table[mr], m_inv_k, m_bias));
-    float vi = SATURATE ? exp2_p(std::fma(v_table[vr], v_inv_k, v_bias), false)
-                        : exp2_unsaturated(std::fma(v_table[vr], v_inv_k, v_bias));
+    float mi = SATURATE ? exp2_p(std::fma(m_log2[i], m_inv_k, m_bias), false)
+                        : exp2_unsaturated(std::fma(m_log2[i], m_inv_k, m_bias));
+    float vi = SATURATE ? exp2_p(std::fma(v_log2[i], v_inv_k, v_bias), false)
+                        : exp2_unsaturated(std::fma(v_log2[i], v_inv_k, v_bias));
     mi = mr >= 128 ? 0.0f - mi : mi;
     vi = vr >= 128 ? 0.0f - vi : vi;
     const float g = GT::load(grad[i]);
