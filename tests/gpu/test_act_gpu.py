@@ -1,5 +1,5 @@
 """The activation kernels on the GPU against their torch references (run on the same GPU), at a Llama-like shape:
-FP8 codes may differ in at most 1e-3 of the elements (fp32 math in a different order, e.g. exp), values, statistics
+1x16 group quantization bit-exact; elsewhere FP8 codes may differ in at most 1e-3 of the elements (fp32 math in a different order, e.g. exp), values, statistics
 and partial amaxes within 1e-3 relative; scales reduced inside the producing launch equal a separate reduction; the
 COAT Llama layer against an fp32 layer; a CUDA-graph capture of the layer replays the eager gradients."""
 import math
@@ -47,9 +47,11 @@ def inputs():
 def test_group_and_tensor_quantization(inputs, fmt):
     x = inputs["x"]
     a, b = GQ.group_quantize(x, fmt, True, partial_amax=True), GQ.group_quantize(x, fmt, False, partial_amax=True)
-    assert differing(a[0], b[0]) <= TOL and differing(a[1], b[1]) == 0
+    # bit-exact: bf16 inputs over bf16 scales often land exactly on an FP8 midpoint, where only IEEE division rounds
+    # as the reference does
+    assert differing(a[0], b[0]) == 0 and differing(a[1], b[1]) == 0
     assert rel(GQ.group_dequantize(a[0], a[1], True, torch.float32), GQ.group_dequantize(b[0], b[1], False,
-                                                                                          torch.float32)) <= TOL
+                                                                                          torch.float32)) == 0
     s = TQ.tensor_scale(x, fmt, False)
     assert torch.equal(TQ.tensor_scale(x, fmt, True), s)
     ca, cb = TQ.cast(x, s, fmt, True, write_t=True), TQ.cast(x, s, fmt, False, write_t=True)
