@@ -204,16 +204,24 @@ struct BF16 {
   static uint16_t store(float x) { return float_to_bf16(x); }
 };
 
-// Dequantize a group's moments, AdamW: p, m, v of the group's elements. SATURATE: the decoder's exp2 may see
-// exponents of 127.5 or more (moments near fp32's maximum); below that both exp2 variants give the same bits.
-template <typename PT, typename GT, bool SATURATE>
-inline void update_group(const typename PT::T* param, const typename GT::T* grad, const uint8_t* m_codes,
-                         const uint8_t* v_codes, int len, const Scalars& h, const float* m_table, const float* v_table,
-                         float m_inv_k, float m_bias, float v_inv_k, float v_bias, float* p, float* m, float* v) {
+struct Extremes {  // what a group's new moments need for their metadata and the non-finite rule
+  int nonfinite;
+  float m_big, v_big, m_small, v_small;
+};
+
+// Dequantize a group's moments and update them with the gradient: the new m, v of the group's elements, and their
+// extremes. SATURATE: the decoder's exp2 may see exponents of 127.5 or more (moments near fp32's maximum); below that
+// both exp2 variants give the same bits.
+template <typename GT, bool SATURATE>
+inline Extremes update_moments(const typename GT::T* grad, const uint8_t* m_codes, const uint8_t* v_codes, int len,
+                               const Scalars& h, const float* m_table, const float* v_table, float m_inv_k,
+                               float m_bias, float v_inv_k, float v_bias, float* m, float* v) {
   float m_log2[kMaxGroup], v_log2[kMaxGroup];
   lookup(m_codes, len, m_table, m_log2);
   lookup(v_codes, len, v_table, v_log2);
-#pragma omp simd
+  int nonfinite = 0;
+  float m_big = 0.0f, v_big = 0.0f, m_small = INFINITY, v_small = INFINITY;
+#pragma omp simd reduction(| : nonfinite) reduction(max : m_big, v_big) reduction(min : m_small, v_small)
   for (int i = 0; i < len; ++i) {
     const uint8_t mr = m_codes[i], vr = v_codes[i];
     float mi = SATURATE ? exp2_p(std::fma(m_log2[i], m_inv_k, m_bias), false)
@@ -225,10 +233,25 @@ inline void update_group(const typename PT::T* param, const typename GT::T* grad
     const float g = GT::load(grad[i]);
     mi = std::fma(mi, h.beta1, g * h.one_minus_beta1);
     vi = std::fma(vi, h.beta2, (g * g) * h.one_minus_beta2);
-    const float denom = std::fma(std::sqrt(vi), h.inv_bc2_sqrt, h.eps);
-    p[i] = std::fma(-h.step_size, mi / denom, PT::load(param[i]) * h.decay);
     m[i] = mi;
     v[i] = vi;
+    const float am = std::fabs(mi), av = std::fabs(vi);
+    nonfinite |= av <= 3.40282347e+38f ? 0 : 1;  // NaN or Inf
+    m_big = am > m_big ? am : m_big;
+    v_big = av > v_big ? av : v_big;
+    m_small = am >= kMinNormal && am < m_small ? am : m_small;
+    v_small = av >= kMinNormal && av < v_small ? av : v_small;
+  }
+  return Extremes{nonfinite, m_big, v_big, m_small, v_small};
+}
+
+// AdamW's parameter update of a group, in place, from its new moments.
+template <typename PT>
+inline void update_params(typename PT::T* param, const float* m, const float* v, int len, const Scalars& h) {
+#pragma omp simd
+  for (int i = 0; i < len; ++i) {
+    const float denom = std::fma(std::sqrt(v[i]), h.inv_bc2_sqrt, h.eps);
+    param[i] = PT::store(std::fma(-h.step_size, m[i] / denom, PT::load(param[i]) * h.decay));
   }
 }
 
@@ -241,44 +264,26 @@ int64_t step(typename PT::T* param, const typename GT::T* grad, uint8_t* m_codes
   for (int64_t j = 0; j < n_groups; ++j) {
     const int64_t s = starts[j];
     const int len = static_cast<int>(lengths[j]);
-    float m[kMaxGroup], v[kMaxGroup], p[kMaxGroup];
+    float m[kMaxGroup], v[kMaxGroup];
     const float m_inv_k = 1.0f / m_meta[j], v_inv_k = 1.0f / v_meta[j];
     const float m_bias = (m_meta[2 * n_groups + j] - mc.log2_max) * m_inv_k + m_meta[n_groups + j];
     const float v_bias = (v_meta[2 * n_groups + j] - vc.log2_max) * v_inv_k + v_meta[n_groups + j];
     // the largest decoder exponent of the group: its largest code's
     const bool saturate = std::fma(mc.log2_max, m_inv_k, m_bias) >= 127.0f ||
                           std::fma(vc.log2_max, v_inv_k, v_bias) >= 127.0f;
-    if (saturate) {
-      update_group<PT, GT, true>(param + s, grad + s, m_codes + s, v_codes + s, len, h, m_table, v_table, m_inv_k,
-                                 m_bias, v_inv_k, v_bias, p, m, v);
-    } else {
-      update_group<PT, GT, false>(param + s, grad + s, m_codes + s, v_codes + s, len, h, m_table, v_table, m_inv_k,
-                                  m_bias, v_inv_k, v_bias, p, m, v);
-    }
-    int nonfinite = 0;
-    float m_big = 0.0f, v_big = 0.0f, m_small = INFINITY, v_small = INFINITY;
-#pragma omp simd reduction(| : nonfinite) reduction(max : m_big, v_big) reduction(min : m_small, v_small)
-    for (int i = 0; i < len; ++i) {
-      const float am = std::fabs(m[i]), av = std::fabs(v[i]);
-      nonfinite |= av <= 3.40282347e+38f ? 0 : 1;  // NaN or Inf
-      m_big = am > m_big ? am : m_big;
-      v_big = av > v_big ? av : v_big;
-      m_small = am >= kMinNormal && am < m_small ? am : m_small;
-      v_small = av >= kMinNormal && av < v_small ? av : v_small;
-    }
-    const bool bad = nonfinite != 0;
-    if (bad && skip_nonfinite) {
+    const Extremes x = saturate
+        ? update_moments<GT, true>(grad + s, m_codes + s, v_codes + s, len, h, m_table, v_table, m_inv_k, m_bias,
+                                   v_inv_k, v_bias, m, v)
+        : update_moments<GT, false>(grad + s, m_codes + s, v_codes + s, len, h, m_table, v_table, m_inv_k, m_bias,
+                                    v_inv_k, v_bias, m, v);
+    if (x.nonfinite != 0 && skip_nonfinite) {  // the group keeps its parameters, codes and metadata
       ++skipped;
       continue;
     }
-    const Meta mm = group_params(m_big, m_small, mc), vm = group_params(v_big, v_small, vc);
-    uint8_t mq[kMaxGroup], vq[kMaxGroup];
-    encode(m, mq, len, mm, mc);
-    encode(v, vq, len, vm, vc);
-#pragma omp simd
-    for (int i = 0; i < len; ++i) param[s + i] = PT::store(p[i]);
-    std::memcpy(m_codes + s, mq, len);
-    std::memcpy(v_codes + s, vq, len);
+    update_params<PT>(param + s, m, v, len, h);
+    const Meta mm = group_params(x.m_big, x.m_small, mc), vm = group_params(x.v_big, x.v_small, vc);
+    encode(m, m_codes + s, len, mm, mc);
+    encode(v, v_codes + s, len, vm, vc);
     m_meta[j] = mm.k;
     m_meta[n_groups + j] = mm.log2_center;
     m_meta[2 * n_groups + j] = mm.log2_scale_q;
