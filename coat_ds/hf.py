@@ -124,14 +124,13 @@ def _coat_class(base, mixin):
 class CoatDecoderLayer:
     """Mix-in placed before a Hugging Face decoder layer class: the COAT forward (see the module docstring)."""
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-                cache_position=None, position_embeddings=None, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, position_embeddings=None, **kwargs):
         attn = self.self_attn
-        extends_cache = past_key_values is not None and past_key_values.get_seq_length(attn.layer_idx) > 0
+        kv_cache = _kv_cache(kwargs)
+        extends_cache = kv_cache is not None and kv_cache.get_seq_length(attn.layer_idx) > 0
         if position_embeddings is None or extends_cache:
             return super().forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                   past_key_values=past_key_values, use_cache=use_cache,
-                                   cache_position=cache_position, position_embeddings=position_embeddings, **kwargs)
+                                   position_embeddings=position_embeddings, **kwargs)
         st = self.coat
         kw = dict(config=st.config, runtime=st.runtime)
         b, s, h = hidden_states.shape
@@ -142,7 +141,7 @@ class CoatDecoderLayer:
         qkv, residual = fp8_norm_linear(hidden_states.reshape(b * s, h), norm1.weight, None,
                                         (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight), qkv_bias,
                                         eps=norm1.variance_epsilon, residual_out=True, weight_cache=st.qkv_cache, **kw)
-        o, kept = _attention(attn, qkv, b, s, position_embeddings, attention_mask, past_key_values, st)
+        o, kept = _attention(attn, qkv, b, s, position_embeddings, attention_mask, kv_cache, st)
         a = fp8_linear(o, attn.o_proj.weight, attn.o_proj.bias, reuse_input=kept, weight_cache=st.o_cache, **kw)
         y, hsum = fp8_norm_swiglu_mlp(a, norm2.weight, None, (mlp.gate_proj.weight, mlp.up_proj.weight),
                                       mlp.down_proj.weight, fc2_bias=mlp.down_proj.bias, residual=residual,
@@ -188,20 +187,38 @@ class CoatCausalLM:
 
     coat_loss_chunk_tokens = 4096
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
         if labels is None or not self.training:
-            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                   past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
-                                   use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         num_items = kwargs.pop("num_items_in_batch", None)
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                             **kwargs)
+        kwargs.pop("logits_to_keep", None)  # no logits are made in training
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]  # the label of position t is token t + 1
         loss = chunked_lm_loss(outputs.last_hidden_state, self.lm_head.weight, shifted, num_items=num_items,
                                chunk_tokens=self.coat_loss_chunk_tokens)
-        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        cache_field = _cache_field(CausalLMOutputWithPast)
+        return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                                      attentions=outputs.attentions, **{cache_field: getattr(outputs, cache_field)})
+
+
+# Earlier transformers 5 releases name the KV cache `past_key_values`, later ones `cache` (deprecating the old name).
+# Whatever the caller passed is forwarded untouched; these read it under either name.
+CACHE_NAMES = ("cache", "past_key_values")
+
+
+def _kv_cache(kwargs):
+    """The KV cache a decoder layer was given (None without one)."""
+    for name in CACHE_NAMES:
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return None
+
+
+def _cache_field(output_class) -> str:
+    """The name of the KV-cache field of a transformers ModelOutput class."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(output_class)}
+    return next(n for n in CACHE_NAMES if n in names)
