@@ -301,6 +301,44 @@ def test_rope_tables_per_token():
         R.rope_split(torch.randn(4, 5 * d), cos, sin, d, 2, False)
 
 
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (4, 2), (4, 1)])
+def test_rope_split_megatron_layout(q_heads, kv_heads):
+    """Megatron's linear_qkv layout (per key/value group: its query heads, its key, its value) with sequence-major
+    tokens ([s, b] order, table row t // b): the same as splitting with Megatron's views and rotating per position."""
+    seq, b, d = 6, 3, 16
+    r = q_heads // kv_heads
+    cos, sin = R.rope_tables(seq, d)
+    qkv = torch.randn(seq * b, (q_heads + 2 * kv_heads) * d, requires_grad=True)
+    grads = [torch.randn(seq * b, w * d) for w in (q_heads, kv_heads, kv_heads)]
+    results = []
+    for tri in (True, False):
+        qkv.grad = None
+        outs = R.rope_split(qkv, cos, sin, d, kv_heads, tri, layout="grouped", rows_per_position=b)
+        torch.autograd.backward(outs, grads)
+        results.append(([o.detach() for o in outs], qkv.grad.clone()))
+    for a, c in zip(results[0][0] + [results[0][1]], results[1][0] + [results[1][1]]):
+        assert torch.allclose(a, c, atol=1e-5)
+
+    x = qkv.detach().view(seq, b, kv_heads, r + 2, d)  # Megatron: [s, b, ng, (np/ng + 2) * hn]
+    q, k, v = x[:, :, :, :r], x[:, :, :, r], x[:, :, :, r + 1]
+    c2, s2 = (torch.cat([t, t], -1)[:, None, None] for t in (cos, sin))  # [s, 1, 1, d], Megatron's emb form
+
+    def rotated(t):
+        t = t.reshape(seq, b, -1, d)
+        return (t * c2 + torch.cat([-t[..., d // 2:], t[..., : d // 2]], -1) * s2).reshape(seq * b, -1)
+
+    ref = (rotated(q), rotated(k), v.reshape(seq * b, -1))
+    for out, want in zip(results[1][0], ref):
+        assert torch.allclose(out, want, atol=1e-5)
+    # backward: the inverse rotation, written back into the grouped layout (v's gradient passes through)
+    dv = results[1][1].view(seq, b, kv_heads, r + 2, d)[:, :, :, r + 1]
+    assert torch.equal(dv.reshape(seq * b, -1), grads[2])
+    with pytest.raises(ValueError, match="layout"):
+        R.rope_split(qkv, cos, sin, d, kv_heads, False, layout="interleaved")
+    with pytest.raises(ValueError, match="rows_per_position"):
+        R.rope_split(qkv, cos, sin, d, kv_heads, False, rows_per_position=0)
+
+
 def test_gradient_amaxes_are_handed_over_only_to_the_same_unchanged_tensor():
     handoff = GradientAmaxHandoff()
     t = torch.randn(4, 16)

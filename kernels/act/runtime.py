@@ -3,7 +3,8 @@
 - `tickets`: zeroed word pairs for kernels that finish their own per-tensor scale (scaling.ScaleTickets);
 - `handoff`: gradient amaxes passed from the backward kernel that produced a gradient to the block that consumes
   it (handoff.GradientAmaxHandoff);
-- `clock`: the optimizer-step count that keeps FP8 weight copies valid (weights.StepClock).
+- `clock`: the optimizer-step count that keeps FP8 weight copies valid (weights.StepClock);
+- `rope`: the cos/sin tables of the model's rotary embedding, made once for all its layers (rope.RopeTables).
 One runtime per model: the modules of a model (a converted Hugging Face model, a Megatron GPT) are given the same
 one; a module built without one gets its own (correct, but no hand-off between modules and no weight cache until
 its clock is attached to the optimizer).
@@ -14,6 +15,7 @@ import warnings
 
 from .config import ActivationConfig
 from .handoff import GradientAmaxHandoff
+from .rope import RopeTables
 from .scaling import ScaleTickets
 from .weights import StepClock, WeightCache
 
@@ -23,6 +25,7 @@ class CoatRuntime:
         self.tickets = ScaleTickets()
         self.handoff = GradientAmaxHandoff()
         self.clock = StepClock()
+        self.rope = RopeTables()
         self._warned_unattached = False
 
     def attach_optimizer(self, optimizer):
