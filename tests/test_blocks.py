@@ -320,6 +320,48 @@ def test_weight_cache_quantizes_once_per_optimizer_step(backend, monkeypatch):
         y1.sum().backward()
 
 
+@pytest.mark.parametrize("block", ["linear", "norm_linear", "swiglu_linear", "norm_swiglu_mlp"])
+def test_transposed_weight_copy_made_in_backward(backend, block):
+    """transposed_weights="backward": the cache holds only the forward copy until the first backward makes the
+    transposed one from the saved weight (the same bits as made in forward); later micro-batches reuse both."""
+    torch.manual_seed(9)
+    h, f = 64, 48
+    ws = {"w": (torch.randn(h, h) / 8).bfloat16(), "w1": (torch.randn(2 * f, h) / 8).bfloat16(),
+          "w2": (torch.randn(h, f) / 8).bfloat16(), "w3": (torch.randn(h, 2 * f) / 8).bfloat16()}
+    xs = [torch.randn(16, h).bfloat16() for _ in range(2)]
+    norm_w = torch.ones(h).bfloat16()
+    grads = {}
+    for mode in ("forward", "backward"):
+        config = ActivationConfig(backend=backend, transposed_weights=mode)
+        params = {k: v.clone().requires_grad_() for k, v in ws.items()}
+        runtime = CoatRuntime()
+        runtime.attach_optimizer(torch.optim.SGD(params.values(), lr=0.0))
+        caches = [runtime.new_weight_cache(), runtime.new_weight_cache()]
+        kw = dict(config=config, runtime=runtime)
+        for i, x in enumerate(xs):  # two micro-batches
+            x = x.clone().requires_grad_()
+            if block == "linear":
+                y = act.fp8_linear(x, params["w"], weight_cache=caches[0], **kw)
+            elif block == "norm_linear":
+                y = act.fp8_norm_linear(x, norm_w, None, params["w"], weight_cache=caches[0], **kw)
+            elif block == "swiglu_linear":
+                y = act.fp8_swiglu_linear(torch.cat([x, x], -1)[:, : 2 * f].contiguous(), params["w2"],
+                                          weight_cache=caches[0], **kw)
+            else:
+                y = act.fp8_norm_swiglu_mlp(x, norm_w, None, params["w1"], params["w2"], fc1_cache=caches[0],
+                                            fc2_cache=caches[1], **kw)
+            used = caches if block == "norm_swiglu_mlp" else caches[:1]
+            if i == 0:
+                assert all((c.w8_t is None) == (mode == "backward") for c in used), mode
+            y.float().square().sum().backward()
+            assert all(c.w8_t is not None for c in used)
+        grads[mode] = {k: p.grad for k, p in params.items() if p.grad is not None}
+    assert grads["forward"].keys() == grads["backward"].keys()
+    assert all(torch.equal(grads["forward"][k], grads["backward"][k]) for k in grads["forward"])
+    with pytest.raises(ValueError, match="transposed_weights"):
+        ActivationConfig(transposed_weights="never")
+
+
 def test_weight_pieces_are_one_weight_with_gradients_per_piece(backend):
     """q/k/v (or gate/up) kept as separate parameters, quantized as one GEMM weight: the same outputs and gradients
     as the concatenated weight, with and without a cache."""

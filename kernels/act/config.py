@@ -9,6 +9,11 @@ Gradient GEMMs always accumulate in fp32.
 cache_weights: quantize each weight once per optimizer step (the runtime's step clock says when a step happened)
 and share the FP8 copies between micro-batches and between forward and backward; off: every forward quantizes its
 weights and backward re-casts the transposed copy.
+transposed_weights: when a weight cache makes the transposed FP8 copy (the dgrad operand). "forward": together with
+the forward copy, from one read of the weight, so backward needs no BF16 weight (for engines that release gathered
+weights after forward: ZeRO-3). "backward": at the first backward that needs it, from the weight itself, which then
+stays referenced by the graph (no copy); the copy does not occupy memory through the forward, where activation memory
+peaks (for engines whose weights stay in memory: Megatron, ZeRO-1/2).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 BACKENDS = ("auto", "triton", "torch")
+TRANSPOSED_WEIGHTS = ("forward", "backward")
 
 
 @dataclass(frozen=True)
@@ -25,10 +31,13 @@ class ActivationConfig:
     backend: str = "auto"
     fprop_fast_accum: bool = False
     cache_weights: bool = True
+    transposed_weights: str = "forward"
 
     def __post_init__(self):
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not isinstance(self.transposed_weights, str) or self.transposed_weights not in TRANSPOSED_WEIGHTS:
+            raise ValueError(f"transposed_weights must be one of {TRANSPOSED_WEIGHTS}, got {self.transposed_weights!r}")
         for name in ("fprop_fast_accum", "cache_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -54,13 +54,15 @@ class BlockEnv(NamedTuple):
     fast_accum: bool
     tickets: ScaleTickets | None
     handoff: GradientAmaxHandoff | None
-    grad_enabled: bool  # a backward may follow: weight caches make the transposed copy in forward
+    grad_enabled: bool  # a backward may follow
+    weight_t_in_forward: bool  # weight caches make the transposed copy in forward (else at the first backward)
 
 
 def _env(x, config, runtime) -> BlockEnv:
     config = config or DEFAULT_CONFIG
     return BlockEnv(config.use_triton(x), config.fprop_fast_accum, runtime.tickets if runtime else None,
-                    runtime.handoff if runtime else None, torch.is_grad_enabled())
+                    runtime.handoff if runtime else None, torch.is_grad_enabled(),
+                    config.transposed_weights == "forward")
 
 
 def _cache(cache, config, runtime):
@@ -70,20 +72,26 @@ def _cache(cache, config, runtime):
 
 
 def _weight_rows(pieces: WeightPieces, cache, env):
-    """(w8 [N, K], scale); a cache also makes the transposed copy now, when a backward will need it."""
+    """(w8 [N, K], scale); a cache also makes the transposed copy now when a backward will need it and the config
+    says so (transposed_weights="forward")."""
     if cache is not None:
-        return cache.fill(pieces, env.use_triton, env.tickets, transposed=env.grad_enabled)
+        return cache.fill(pieces, env.use_triton, env.tickets,
+                          transposed=env.grad_enabled and env.weight_t_in_forward)
     w8, _, scale = quantize_tensor(pieces.joined(), E4M3, env.use_triton, tickets=env.tickets)
     return w8, scale
 
 
 def _weight_transposed(cache, like, pieces: WeightPieces | None, scale, use_triton):
-    """W^T as E4M3 with the forward's scale: the cache's copy, or re-cast from the saved weight."""
+    """W^T as E4M3 with the forward's scale: the cache's copy (made now from the saved weight if the forward did not
+    make it), or re-cast from the saved weight."""
     if cache is not None:
-        if cache.holds(like, scale) and cache.w8_t is not None:
-            return cache.w8_t
-        raise RuntimeError("coat-fp8: the FP8 weight cache was refilled between this forward and its backward (the "
-                           "runtime's clock ticked in between: an optimizer step or clock.tick() before backward)")
+        if not cache.holds(like, scale):
+            raise RuntimeError("coat-fp8: the FP8 weight cache was refilled between this forward and its backward "
+                               "(the runtime's clock ticked in between: an optimizer step or clock.tick() before "
+                               "backward)")
+        if cache.w8_t is None:
+            cache.fill(pieces, use_triton, transposed=True)  # holds this quantization: makes only the copy
+        return cache.w8_t
     return cast(pieces.joined(), scale, E4M3, use_triton, write_row=False, write_t=True)[1]
 
 
@@ -97,17 +105,23 @@ class _WeightLike:
         return tuple(grad.split(self.rows, 0)) if len(self.rows) > 1 else (grad,)
 
 
-def _keep_weights(ctx, pieces: WeightPieces, cache):
-    """Tensors to save for the weight: none with a cache, the pieces (parameters, no copies) without one."""
+def _keeps_weight(cache, env) -> bool:
+    """Whether backward needs the weight itself: without a cache, or when the cache makes the transposed copy in
+    backward."""
+    return cache is None or not env.weight_t_in_forward
+
+
+def _keep_weights(ctx, pieces: WeightPieces, cache, env):
+    """Tensors to save for the weight: the pieces (parameters, no copies) when backward needs them, else none."""
     ctx.weight_like = _WeightLike(pieces)
-    return () if cache is not None else pieces.tensors
+    return pieces.tensors if _keeps_weight(cache, env) else ()
 
 
-def _keep_two_weights(ctx, first: WeightPieces, cache1, second: WeightPieces, cache2):
+def _keep_two_weights(ctx, first: WeightPieces, cache1, second: WeightPieces, cache2, env):
     """_keep_weights for a node with two GEMM weights: (tensors to save, how many belong to the first)."""
     ctx.weight_likes = (_WeightLike(first), _WeightLike(second))
-    a = () if cache1 is not None else first.tensors
-    b = () if cache2 is not None else second.tensors
+    a = first.tensors if _keeps_weight(cache1, env) else ()
+    b = second.tensors if _keeps_weight(cache2, env) else ()
     return a + b, len(a)
 
 
@@ -178,7 +192,7 @@ class _Fp8Linear(torch.autograd.Function):
         w8, w_scale = _weight_rows(pieces, cache, env)
         ctx.out_dtype, ctx.cache, ctx.reuse_input, ctx.env = _out_dtype(x), cache, reuse_input, env
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.save_for_backward(x if reuse_input else x8_t, x_scale, w_scale, *_keep_weights(ctx, pieces, cache))
+        ctx.save_for_backward(x if reuse_input else x8_t, x_scale, w_scale, *_keep_weights(ctx, pieces, cache, env))
         y = fp8_gemm(x8, w8, x_scale, w_scale, ctx.out_dtype, bias, fast_accum=env.fast_accum)
         return y.reshape(*x.shape[:-1], n)
 
@@ -224,7 +238,7 @@ class _Fp8NormLinear(torch.autograd.Function):
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.has_residual, ctx.residual_out, ctx.shape = residual is not None, residual_out, x.shape
         ctx.save_for_backward(q, e, mean, rstd, norm_weight, norm_bias, y_scale, w_scale,
-                              *_keep_weights(ctx, pieces, cache))
+                              *_keep_weights(ctx, pieces, cache, env))
         out = fp8_gemm(y8, w8, y_scale, w_scale, ctx.out_dtype, bias, fast_accum=env.fast_accum)
         out = out.reshape(*x.shape[:-1], n)
         if residual is not None:
@@ -285,7 +299,7 @@ class _Fp8SwigluLinear(torch.autograd.Function):
         w8, w_scale = _weight_rows(pieces, cache, env)
         ctx.out_dtype, ctx.cache, ctx.shape, ctx.x_dtype, ctx.env = _out_dtype(x), cache, x.shape, x.dtype, env
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.save_for_backward(q, e, p_scale, w_scale, *_keep_weights(ctx, pieces, cache))
+        ctx.save_for_backward(q, e, p_scale, w_scale, *_keep_weights(ctx, pieces, cache, env))
         out = fp8_gemm(p8, w8, p_scale, w_scale, ctx.out_dtype, bias, fast_accum=env.fast_accum)
         return out.reshape(*x.shape[:-1], n)
 

@@ -48,7 +48,7 @@ class _Fp8NormMLP(torch.autograd.Function):
         ctx.has_residual, ctx.shape = residual is not None, x.shape
         ctx.b1_dtype = b1.dtype if b1 is not None else None
         ctx.b2_dtype = b2.dtype if b2 is not None else None
-        kept, ctx.n_fc1_saved = _keep_two_weights(ctx, fc1, cache1, fc2, cache2)
+        kept, ctx.n_fc1_saved = _keep_two_weights(ctx, fc1, cache1, fc2, cache2, env)
         ctx.save_for_backward(q, e, mean, rstd, norm_weight, norm_bias, y_scale, w1_scale, qa, ea, p_scale, w2_scale,
                               *kept)
         if residual is None:

@@ -9,6 +9,11 @@ signal. A cache is keyed by (clock count, shape, dtype, device): the weight may 
 (ZeRO-3 gathers) and still hit. After changing weights outside an optimizer step, call `StepClock.tick()` (or
 `WeightCache.invalidate()`).
 
+CUDA graphs: whether the current stream is capturing is part of the key, so the first use inside a capture always
+quantizes, and the graph holds that quantization: each replay quantizes the weights it then finds (after a step, the
+updated ones). Later uses at the same clock count inside captures (micro-batches, the backward) share those copies,
+so graphs captured at one step are replayed in the order they were captured.
+
 `WeightPieces`: one GEMM weight given as row blocks of several tensors (separate q/k/v or gate/up projections that
 keep their own parameters): quantized as one tensor with one scale; concatenated only transiently, to quantize.
 """
@@ -86,7 +91,8 @@ class WeightCache:
         self.scale = self.w8 = self.w8_t = None
 
     def _key_of(self, weight):
-        return (self.clock.count, tuple(weight.shape), weight.dtype, weight.device)
+        capturing = weight.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return (self.clock.count, tuple(weight.shape), weight.dtype, weight.device, capturing)
 
     def holds(self, weight, scale) -> bool:
         """Whether the cache still holds the quantization that produced `scale` (a later micro-batch's forward may

@@ -92,8 +92,9 @@ def test_swiglu_kernels(inputs):
     assert amax_rel(amax_t, db[1]) <= TOL and differing(product_t, cb[1]) <= TOL
 
 
+@pytest.mark.parametrize("layout,rows_per_position", [("split", 1), ("grouped", 4)])
 @pytest.mark.parametrize("kv_heads", [32, 8])
-def test_rope_split(kv_heads):
+def test_rope_split(kv_heads, layout, rows_per_position):
     hd = 128
     width = (32 + 2 * kv_heads) * hd
     cos, sin = R.rope_tables(2048, hd, device="cuda")
@@ -101,7 +102,7 @@ def test_rope_split(kv_heads):
     outs = []
     for tri in (True, False):
         q = qkv.clone().requires_grad_()
-        o = R.rope_split(q, cos, sin, hd, kv_heads, tri)
+        o = R.rope_split(q, cos, sin, hd, kv_heads, tri, layout=layout, rows_per_position=rows_per_position)
         torch.autograd.backward(o, [t * 0.5 for t in o])
         outs.append((o, q.grad))
     assert max(rel(a, b) for a, b in zip(outs[0][0], outs[1][0])) <= TOL and rel(outs[0][1], outs[1][1]) <= TOL
@@ -133,9 +134,9 @@ def test_scale_reduced_in_the_launch_equals_a_separate_reduction(inputs):
     assert mismatches == 0
 
 
-def _layer(config):
+def _layer(config, runtime=None):
     torch.manual_seed(0)
-    layer = CoatLlamaDecoderLayer(1024, 2816, 8, 8, max_seq_len=512, config=config, runtime=CoatRuntime(),
+    layer = CoatLlamaDecoderLayer(1024, 2816, 8, 8, max_seq_len=512, config=config, runtime=runtime or CoatRuntime(),
                                   device="cuda")
     with torch.no_grad():
         for name, p in layer.named_parameters():
@@ -178,3 +179,40 @@ def test_llama_layer_replays_as_a_cuda_graph():
         graph.replay()
     torch.cuda.synchronize()
     assert max(rel(t.grad, e) for t, e in zip(params + [x], eager)) < 1e-6
+
+
+def test_weight_cache_in_a_cuda_graph_quantizes_the_weights_of_each_replay():
+    """A graph captured at the step count of an eager forward still holds the weight quantization: replayed after
+    the weights change and the clock ticks, it gives the gradients of the new weights (stale FP8 copies would not)."""
+    runtime = CoatRuntime()
+    layer = _layer(ActivationConfig(), runtime=runtime)
+    params = list(layer.parameters())
+    runtime.attach_optimizer(torch.optim.SGD(params, lr=0.0))
+    x = torch.randn(2, 512, 1024, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    dy = torch.randn_like(x)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+
+    def clear():
+        for t in params + [x]:
+            t.grad = None
+
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            clear()
+            layer(x).backward(dy)  # the caches now hold this clock count's copies
+        clear()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            layer(x).backward(dy)
+        with torch.no_grad():
+            for p in params:
+                p.mul_(0.5)
+        runtime.clock.tick()  # what an optimizer step does
+        graph.replay()
+        replayed = [t.grad.clone() for t in params + [x]]
+        clear()
+        layer(x).backward(dy)
+        eager = [t.grad.clone() for t in params + [x]]
+    torch.cuda.synchronize()
+    assert max(rel(a, b) for a, b in zip(replayed, eager)) < 1e-3  # stale FP8 weights: O(1)
