@@ -1,17 +1,41 @@
 """Attention core for the COAT spec: COAT keeps attention in BF16, so this picks an existing implementation.
 
-"auto" (the default): torch SDPA, whose flash / cuDNN kernels on CUDA (math kernel on the CPU) measured faster inside
-the COAT layer than TransformerEngine's DotProductAttention (BENCHMARKS.md). "te": TransformerEngine's core (needed for
-context parallelism). "megatron": Megatron's own DotProductAttention, which materialises the full score matrix and
-runs an unfused softmax (CUDA only: it allocates its softmax buffer there). "sdpa": the same as "auto".
+"auto" (the default): torch SDPA, cuDNN's fused attention first on CUDA (then torch's flash / efficient kernels;
+the math kernel on the CPU); with it the COAT layer runs its fused attention path (coat_megatron.self_attention:
+RoPE fused with the q/k/v split, no BF16 copies around the core). "sdpa": the same as "auto". "te":
+TransformerEngine's DotProductAttention (needed for context parallelism). "megatron": Megatron's own
+DotProductAttention, which materialises the full score matrix and runs an unfused softmax (CUDA only: it allocates
+its softmax buffer there). "te" and "megatron" run Megatron's own SelfAttention forward around the core.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ATTENTION_BACKENDS = ("auto", "te", "megatron", "sdpa")
+# SDPA's kernel order on CUDA: cuDNN's fused attention first (on Hopper it is faster than the flash kernels torch
+# picks by default; BENCHMARKS.md), then torch's own order.
+CUDA_SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                      SDPBackend.MATH]
+
+
+def sdpa_backends(device):
+    """The context that orders SDPA's kernels for tensors on `device` (nothing to order on the CPU)."""
+    if device.type == "cuda":
+        return sdpa_kernel(CUDA_SDPA_BACKENDS, set_priority=True)
+    return contextlib.nullcontext()
+
+
+def sdpa(q, k, v, *, causal: bool, mask=None, dropout: float = 0.0, scale=None):
+    """Attention of q [b, Hq, s, d] over k, v [b, Hkv, s, d] (grouped-query attention when Hkv < Hq); mask: SDPA's
+    boolean mask (True = attend) or None. Returns [b, Hq, s, d]."""
+    with sdpa_backends(q.device):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout,
+                                              scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class SDPACoreAttention(MegatronModule):
@@ -32,17 +56,13 @@ class SDPACoreAttention(MegatronModule):
             raise NotImplementedError("SDPACoreAttention: packed sequences and attention bias are not supported")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = mask_type == AttnMaskType.causal
-        # [s, b, heads, d] -> [b, heads, s, d]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if k.shape[1] != q.shape[1]:  # grouped-query attention
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         mask = None
         if not causal and attention_mask is not None:
             mask = ~attention_mask  # Megatron: True = masked out; SDPA: True = attend
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                             dropout_p=self.dropout if self.training else 0.0,
-                                             scale=self.softmax_scale)
+        # [s, b, heads, d] -> [b, heads, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        ctx = sdpa(q, k, v, causal=causal, mask=mask, dropout=self.dropout if self.training else 0.0,
+                   scale=self.softmax_scale)
         s, b = query.shape[0], query.shape[1]
         return ctx.permute(2, 0, 1, 3).reshape(s, b, -1)
 

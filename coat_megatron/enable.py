@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from coat_kernels.act import ActivationConfig, CoatRuntime
 
 from .arguments import coat_optimizer_options, install_coat_args
+from .layers import MEGATRON_ACTIVATION_CONFIG
 from .spec import get_gpt_decoder_block_coat_spec
 
 
@@ -27,7 +28,7 @@ class CoatMegatron:
 
     @staticmethod
     def activation_config(args) -> ActivationConfig:
-        return ActivationConfig(fprop_fast_accum=bool(getattr(args, "coat_fprop_fast_accum", False)))
+        return MEGATRON_ACTIVATION_CONFIG.replace(fprop_fast_accum=bool(getattr(args, "coat_fprop_fast_accum", False)))
 
     def decoder_block_spec(self, config, args, vp_stage=None, pp_rank=None):
         """This pipeline stage's COAT decoder-block spec, bound to the handle's runtime and the args' options."""

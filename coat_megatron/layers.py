@@ -26,6 +26,11 @@ from coat_kernels.act import (ActivationConfig, CoatRuntime, Norm, fp8_gelu, fp8
                               fp8_swiglu_linear)
 
 
+# Megatron keeps every weight in memory (its DDP and distributed optimizer never release them after forward), so the
+# transposed FP8 weight copies are made in backward, not held through the forward where activation memory peaks.
+MEGATRON_ACTIVATION_CONFIG = ActivationConfig(transposed_weights="backward")
+
+
 def _param_device(config):
     return torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
 
@@ -34,7 +39,7 @@ class _CoatLinearMixin:
     """The activation config, the model's CoatRuntime (given by the spec) and this layer's FP8 weight cache."""
 
     def _init_coat(self, coat_config, coat_runtime):
-        self.coat_config = coat_config or ActivationConfig()
+        self.coat_config = coat_config or MEGATRON_ACTIVATION_CONFIG
         self.coat_runtime = coat_runtime or CoatRuntime()
         self.weight_cache = self.coat_runtime.new_weight_cache()
 
@@ -105,20 +110,30 @@ ACTIVATIONS = ("swiglu", "gelu")
 
 class CoatRowParallelLinear(_CoatLinearMixin, RowParallelLinear):
     """RowParallelLinear with an FP8 GEMM; `activation` ("swiglu" | "gelu", set by CoatMLP) applies COAT's FP8
-    non-linearity to the input first (SwiGLU fused with this GEMM's input quantization)."""
+    non-linearity to the input first (SwiGLU fused with this GEMM's input quantization).
+    forward(x, reuse_input=True): save x itself for the weight gradient instead of an FP8 copy (for an input that
+    something else keeps for backward anyway, such as the attention output)."""
 
     def __init__(self, *args, coat_config: ActivationConfig | None = None, coat_runtime: CoatRuntime | None = None,
                  **kwargs):
         super().__init__(*args, **kwargs)
         self._init_coat(coat_config, coat_runtime)
         self.activation = None
+        self._reuse_input = False  # this call's choice, set and cleared by forward
+
+    def forward(self, input_, reuse_input: bool = False):
+        self._reuse_input = reuse_input
+        try:
+            return super().forward(input_)
+        finally:
+            self._reuse_input = False
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         if self.activation == "swiglu":
             return fp8_swiglu_linear(input, weight, None, **self._block_kwargs())
         if self.activation == "gelu":
             input = fp8_gelu(input, config=self.coat_config)
-        return fp8_linear(input, weight, None, **self._block_kwargs())
+        return fp8_linear(input, weight, None, reuse_input=self._reuse_input, **self._block_kwargs())
 
 
 class CoatNorm(Norm):

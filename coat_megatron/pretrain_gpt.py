@@ -195,6 +195,11 @@ def _report_memory(handle):
     if torch.cuda.is_available():
         print(f"[coat_megatron] rank {rank} peak memory allocated: "
               f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)
+        # what stays allocated between iterations (parameters, gradient buffers, optimizer state, FP8 weight
+        # copies, graph pools), and the card's size: with the peak, this predicts the largest micro-batch
+        card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        print(f"[coat_megatron] rank {rank} memory allocated after training: "
+              f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB of {card / 2**30:.2f} GiB", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,21 @@
 """Layer and decoder-block specs for `--transformer-impl coat`, built from megatron-core's stable primitives.
 
 Mirrors the TransformerEngine spec: the input/pre-MLP norms are fused into linear_qkv/linear_fc1
-(CoatLayerNormColumnParallelLinear), linear_proj/linear_fc2 are CoatRowParallelLinear, the MLP is CoatMLP and the
-block's final norm is CoatNorm. Works with megatron-core 0.16 (ModuleSpec MLP) and 0.19 (MLP builder callables).
+(CoatLayerNormColumnParallelLinear), linear_proj/linear_fc2 are CoatRowParallelLinear, the self-attention is
+CoatSelfAttention (fused RoPE and SDPA path), the MLP is CoatMLP and the block's final norm is CoatNorm. Works with
+megatron-core 0.16 (ModuleSpec MLP) and 0.19 (MLP builder callables).
 
-Every COAT linear of a model is bound to the same ActivationConfig and CoatRuntime (scale tickets, gradient-amax
-hand-off, FP8 weight caches): pass them in (coat_megatron.enable_coat's handle does), or a fresh runtime is made.
-Megatron builds some submodules with `build_module(spec)` and calls others directly, so the binding is a ModuleSpec
-that can also be called.
+Every COAT linear of a model is bound to the same ActivationConfig (default: layers.MEGATRON_ACTIVATION_CONFIG) and
+CoatRuntime (scale tickets, gradient-amax hand-off, FP8 weight caches, RoPE tables): pass them in
+(coat_megatron.enable_coat's handle does), or a fresh runtime is made. Megatron builds some submodules with
+`build_module(spec)` and calls others directly, so the binding is a ModuleSpec that can also be called.
 """
 from __future__ import annotations
 
 import functools
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -29,8 +30,10 @@ from megatron.core.transformer.transformer_layer import (
 from coat_kernels.act import ActivationConfig, CoatRuntime
 
 from .attention import core_attention_class
-from .layers import CoatLayerNormColumnParallelLinear, CoatNorm, CoatRowParallelLinear
+from .layers import (MEGATRON_ACTIVATION_CONFIG, CoatLayerNormColumnParallelLinear, CoatNorm,
+                     CoatRowParallelLinear)
 from .mlp import CoatMLP
+from .self_attention import CoatSelfAttention
 
 
 class CallableSpec(ModuleSpec):
@@ -45,7 +48,7 @@ def _bind(layer_cls, coat_config, coat_runtime) -> CallableSpec:
 
 
 def get_coat_mlp_spec(coat_config: ActivationConfig | None = None, coat_runtime: CoatRuntime | None = None):
-    coat_config, coat_runtime = coat_config or ActivationConfig(), coat_runtime or CoatRuntime()
+    coat_config, coat_runtime = coat_config or MEGATRON_ACTIVATION_CONFIG, coat_runtime or CoatRuntime()
     submodules = MLPSubmodules(linear_fc1=_bind(CoatLayerNormColumnParallelLinear, coat_config, coat_runtime),
                                linear_fc2=_bind(CoatRowParallelLinear, coat_config, coat_runtime))
     if hasattr(MLP, "as_mlp_submodule"):  # 0.19+: TransformerLayer calls mlp(config=, pg_collection=, ...)
@@ -56,15 +59,16 @@ def get_coat_mlp_spec(coat_config: ActivationConfig | None = None, coat_runtime:
 def get_gpt_layer_coat_spec(qk_layernorm: bool = False, attention: str = "auto",
                             coat_config: ActivationConfig | None = None,
                             coat_runtime: CoatRuntime | None = None) -> ModuleSpec:
-    """A dense GPT TransformerLayer on COAT's FP8 blocks (attention core in BF16: see coat_megatron.attention)."""
-    coat_config, coat_runtime = coat_config or ActivationConfig(), coat_runtime or CoatRuntime()
+    """A dense GPT TransformerLayer on COAT's FP8 blocks (attention in BF16: see coat_megatron.self_attention)."""
+    coat_config, coat_runtime = coat_config or MEGATRON_ACTIVATION_CONFIG, coat_runtime or CoatRuntime()
     qk_norm = CoatNorm if qk_layernorm else IdentityOp
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
+                module=CoatSelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal, "coat_config": coat_config,
+                        "coat_runtime": coat_runtime},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=_bind(CoatLayerNormColumnParallelLinear, coat_config, coat_runtime),
                     core_attention=core_attention_class(attention),

@@ -27,6 +27,7 @@ def job(tmp_path_factory):
 def test_spec_builds_te_shaped_modules(job):
     spec = job[0]["spec"]
     prefix = "decoder.layers.0."
+    assert spec[prefix + "self_attention"] == "CoatSelfAttention"
     assert spec[prefix + "self_attention.linear_qkv"] == "CoatLayerNormColumnParallelLinear"
     assert spec[prefix + "self_attention.linear_proj"] == "CoatRowParallelLinear"
     assert spec[prefix + "mlp.linear_fc1"] == "CoatLayerNormColumnParallelLinear"
@@ -74,6 +75,14 @@ def test_saved_for_backward_is_fp8(job):
     coat_mlp_bytes = sum(n * (1 if "float8" in d else 2 if "bfloat16" in d else 4) for d, n in census["mlp"])
     local_mlp_bytes = sum(n * (2 if "bfloat16" in d else 4) for d, n in job[0]["saved_local"])
     assert coat_mlp_bytes < 0.6 * local_mlp_bytes, (coat_mlp_bytes, local_mlp_bytes)
+
+
+def test_fused_attention_path_matches_megatron_forward(job):
+    """The COAT layer's fused attention (RoPE + q/k/v split in one kernel, SDPA on the [s, b] token order) computes
+    what Megatron's SelfAttention forward computes around the same core (MHA, 2 and 1 key/value groups)."""
+    for groups, r in job[0]["fused_attention"].items():
+        assert r["fused_calls"] == 1, (groups, r)  # the fused run took the fused path, the other did not
+        assert r["out"] < 0.02 and r["dx"] < 0.03, (groups, r)
 
 
 def test_tp2_checkpoint_loads_at_tp1(job):
