@@ -8,19 +8,7 @@ import json
 import torch
 
 from layer_common import clear_grads, log
-
-
-def _category(name):
-    n = name.lower()
-    if "flash" in n or "fmha" in n or "attention" in n:
-        return "attention"
-    if "nvjet" in n or "gemm" in n or "cutlass" in n or "xmma" in n or "scaled_mm" in n:
-        return "GEMM"
-    if name.startswith("_") and "kernel" in n:
-        return "Triton (ours)"
-    if "memset" in n or "memcpy" in n:
-        return "memset/memcpy"
-    return "torch elementwise/reduce"
+from trace_summary import category as _category
 
 
 def profile_step(layer, x, path, steps=3):

@@ -1,0 +1,157 @@
+"""Tables, JSON and loss curves from the logs of launch/megatron_compare.sh; and its largest-micro-batch prediction.
+
+    python -m launch.megatron_report OUT_DIR [--skip N]        -> OUT_DIR/results.md, results.json, loss.png
+    python -m launch.megatron_report --predict-max LOG --micro M
+
+Speed: the mean of the logged ms/iteration (each the mean of its log interval) over the intervals ending after
+iteration --skip (default: 10, past warm-up and CUDA-graph capture); tokens/s = micro-batch x sequence x
+data-parallel ranks / that time. Memory: the peak allocated on rank 0. "x TE BF16": tokens/s over te_bf16_tp1's at the
+same micro-batch; "best": each arm's fastest run over the micro-batches it ran, against te_bf16_tp1's fastest.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import re
+
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|.*?elapsed time per iteration \(ms\):\s*([\d.]+)")
+LOSS = re.compile(r"lm loss:\s*([\d.E+-]+)")
+ARG = re.compile(r"^\s*(\w+) \.+ (.*)$")
+PEAK = re.compile(r"\[coat_megatron\] rank 0 peak memory allocated: ([\d.]+) GiB")
+HELD = re.compile(r"\[coat_megatron\] rank 0 memory allocated after training: ([\d.]+) GiB of ([\d.]+) GiB")
+STATE = re.compile(r"\[coat_megatron\] rank 0 optimizer state: (\S+) ([\d.]+) MiB .*\(([\d.]+) B/element\)")
+BASELINE = "te_bf16_tp1"
+MEMORY_BUDGET = 0.92  # of the card, for the largest micro-batch: allocator fragmentation and transient buffers
+
+
+def parse_log(path: str) -> dict:
+    name = os.path.basename(path)[:-len(".log")]
+    arm = name.rsplit("_mb", 1)[0]
+    with open(path, errors="replace") as f:
+        text = f.read()
+    args = {}
+    for line in text.splitlines():
+        m = ARG.match(line)
+        if m:
+            args.setdefault(m.group(1), m.group(2).strip())
+    points = []
+    for line in text.splitlines():
+        m = ITERATION.search(line)
+        if m:
+            loss = LOSS.search(line)
+            points.append((int(m.group(1)), float(m.group(3)), float(loss.group(1)) if loss else math.nan))
+    run = {"arm": arm, "log": os.path.basename(path), "points": points,
+           "micro": int(args["micro_batch_size"]) if "micro_batch_size" in args else None,
+           "seq": int(args["seq_length"]) if "seq_length" in args else None,
+           "dp": int(args.get("data_parallel_size", 1) or 1),
+           "finished": bool(points) and points[-1][0] == int(args.get("train_iters", -1)),
+           "oom": bool(re.search(r"out of memory|OutOfMemoryError", text, re.I))}
+    if m := PEAK.search(text):
+        run["peak_gib"] = float(m.group(1))
+    if m := HELD.search(text):
+        run["held_gib"], run["card_gib"] = float(m.group(1)), float(m.group(2))
+    if m := STATE.search(text):
+        run["optimizer"], run["state_mib"], run["state_bytes_per_element"] = m.group(1), float(m.group(2)), \
+            float(m.group(3))
+    return run
+
+
+def speed(run: dict, skip: int) -> None:
+    times = [ms for it, ms, _ in run["points"] if it > skip]
+    if times and run["micro"] and run["seq"]:
+        run["ms_per_iteration"] = sum(times) / len(times)
+        run["tokens_per_s"] = run["micro"] * run["seq"] * run["dp"] * 1000.0 / run["ms_per_iteration"]
+    losses = [loss for _, _, loss in run["points"] if not math.isnan(loss)]
+    run["final_loss"] = losses[-1] if losses else None
+
+
+def predict_max(log: str, micro: int) -> int:
+    """The largest micro-batch whose peak fits MEMORY_BUDGET of the card, from one finished run at `micro`."""
+    run = parse_log(log)
+    if "peak_gib" not in run or "held_gib" not in run:
+        raise SystemExit(f"{log}: no memory report (the run did not finish)")
+    per_sample = (run["peak_gib"] - run["held_gib"]) / micro
+    if per_sample <= 0:
+        raise SystemExit(f"{log}: peak {run['peak_gib']} GiB not above the memory held {run['held_gib']} GiB")
+    return max(1, int((MEMORY_BUDGET * run["card_gib"] - run["held_gib"]) / per_sample))
+
+
+def report(out: str, skip: int) -> dict:
+    runs = [parse_log(p) for p in sorted(glob.glob(os.path.join(out, "*_mb*.log"))) if not p.endswith("_oom.log")]
+    for run in runs:
+        speed(run, skip)
+    ok = [r for r in runs if r.get("tokens_per_s") and r["finished"]]
+    base = {r["micro"]: r["tokens_per_s"] for r in ok if r["arm"] == BASELINE}
+    best = {}
+    for r in ok:
+        if r["tokens_per_s"] > best.get(r["arm"], {}).get("tokens_per_s", 0):
+            best[r["arm"]] = r
+    base_best = best.get(BASELINE, {}).get("tokens_per_s")
+    lines = ["| arm | micro-batch | ms/iteration | tokens/s | x TE BF16 (same micro-batch) | peak GiB | "
+             "optimizer state (B/element) | last loss |", "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(runs, key=lambda r: (r["arm"], r["micro"] or 0)):
+        if not r.get("tokens_per_s") or not r["finished"]:
+            lines.append(f"| {r['arm']} | {r['micro']} | {'out of memory' if r['oom'] else 'did not finish'} "
+                         f"| | | | | |")
+            continue
+        ratio = f"{r['tokens_per_s'] / base[r['micro']]:.2f}x" if r["micro"] in base else ""
+        state = f"{r.get('optimizer', '')} ({r.get('state_bytes_per_element', 0):.2f})"
+        lines.append(f"| {r['arm']} | {r['micro']} | {r['ms_per_iteration']:.1f} | {r['tokens_per_s']:,.0f} | {ratio} "
+                     f"| {r.get('peak_gib', float('nan')):.2f} | {state} | {r['final_loss']:.4f} |")
+    lines += ["", "| arm | best micro-batch | tokens/s | x TE BF16's best | peak GiB |", "|---|---|---|---|---|"]
+    for arm, r in sorted(best.items()):
+        ratio = f"{r['tokens_per_s'] / base_best:.2f}x" if base_best else ""
+        lines.append(f"| {arm} | {r['micro']} | {r['tokens_per_s']:,.0f} | {ratio} | {r.get('peak_gib', 0):.2f} |")
+    table = "\n".join(lines)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(table + "\n")
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"runs": runs, "skip": skip}, f, indent=1)
+    plot(runs, os.path.join(out, "loss.png"))
+    print(table)
+    return {"runs": runs}
+
+
+def plot(runs, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    first = min((r["micro"] for r in runs if r["micro"] and r["points"]), default=None)
+    if first is None:
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in runs:
+        if r["micro"] == first and r["points"]:
+            ax.plot([p[0] for p in r["points"]], [p[2] for p in r["points"]], label=r["arm"], lw=1.2)
+    ax.set(xlabel="iteration", ylabel="lm loss", title=f"micro-batch {first}", yscale="log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", nargs="?")
+    ap.add_argument("--skip", type=int, default=10, help="iterations left out of the speed (warm-up, graph capture)")
+    ap.add_argument("--predict-max", metavar="LOG")
+    ap.add_argument("--micro", type=int, help="the micro-batch of --predict-max's run")
+    args = ap.parse_args()
+    if args.predict_max:
+        if not args.micro:
+            ap.error("--predict-max needs --micro")
+        print(predict_max(args.predict_max, args.micro))
+        return
+    if not args.out:
+        ap.error("OUT_DIR or --predict-max")
+    report(args.out, args.skip)
+
+
+if __name__ == "__main__":
+    main()

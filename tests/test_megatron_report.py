@@ -1,0 +1,59 @@
+"""launch.megatron_report on logs written the way megatron.training and coat_megatron.pretrain_gpt print them."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from launch import megatron_report as R
+
+
+def write_log(path, micro, ms, losses, iters=30, peak=40.0, held=10.0, card=80.0, finished=True):
+    lines = ["------------------------ arguments ------------------------",
+             f"  micro_batch_size {'.' * 32} {micro}", f"  seq_length {'.' * 38} 2048",
+             f"  data_parallel_size {'.' * 30} 1", f"  train_iters {'.' * 37} {iters}"]
+    last = iters if finished else iters - 10
+    for it, loss in zip(range(5, last + 1, 5), losses):
+        lines.append(f" [2026-11-25 10:00:00.000000] iteration {it:8d}/{iters:8d} | consumed samples: "
+                     f"{it * micro:12d} |"
+                     f" elapsed time per iteration (ms): {ms if it > 10 else 10 * ms:.1f} | throughput per GPU "
+                     f"(TFLOP/s/GPU): 100.0 | learning rate: 3.000000E-04 | global batch size: {micro:5d} | "
+                     f"lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: 1.000 |")
+    if finished:
+        lines += [f"[coat_megatron] rank 0 optimizer state: MegatronCoatFP8AdamW 100.0 MiB for 1.00M elements "
+                  f"(2.188 B/element)", f"[coat_megatron] rank 0 peak memory allocated: {peak:.2f} GiB",
+                  f"[coat_megatron] rank 0 memory allocated after training: {held:.2f} GiB of {card:.2f} GiB"]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_tables_ratios_and_best_batch(tmp_path):
+    write_log(tmp_path / "te_bf16_tp1_mb4.log", 4, 200.0, [9, 8, 7, 6, 5, 4])
+    write_log(tmp_path / "te_bf16_tp1_mbmax.log", 12, 500.0, [9, 8, 7, 6, 5, 4])
+    write_log(tmp_path / "coat_tp1_mb4.log", 4, 100.0, [9, 8, 7, 6, 5, 4.1])
+    write_log(tmp_path / "coat_tp1_mbmax.log", 24, 400.0, [9, 8, 7, 6, 5, 4])
+    write_log(tmp_path / "coat_tp1_mb28_oom.log", 28, 1.0, [], finished=False)  # a failed try: left out
+    write_log(tmp_path / "local_bf16_tp1_mb4.log", 4, 300.0, [9, 8, 7], finished=False)
+    res = R.report(str(tmp_path), skip=10)
+    runs = {(r["arm"], r["micro"]): r for r in res["runs"]}
+    assert runs[("coat_tp1", 4)]["tokens_per_s"] == pytest.approx(4 * 2048 / 0.1)  # warm-up intervals left out
+    assert runs[("coat_tp1", 4)]["final_loss"] == pytest.approx(4.1)
+    table = (tmp_path / "results.md").read_text()
+    assert "| coat_tp1 | 4 | 100.0 | 81,920 | 2.00x |" in table
+    assert "| local_bf16_tp1 | 4 | did not finish |" in table
+    # best: coat at 24 (122,880 tokens/s) over TE BF16 at 12 (49,152 tokens/s)
+    assert "| coat_tp1 | 24 | 122,880 | 2.50x | 40.00 |" in table
+    assert json.loads((tmp_path / "results.json").read_text())["skip"] == 10
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def test_largest_micro_batch_prediction(tmp_path):
+    log = tmp_path / "coat_tp1_mb4.log"
+    write_log(log, 4, 100.0, [9, 8, 7, 6, 5, 4], peak=30.0, held=10.0, card=80.0)
+    # 5 GiB per sample over 10 GiB held: (0.92 * 80 - 10) / 5 = 12.72
+    assert R.predict_max(str(log), 4) == 12
+    out = subprocess.run([sys.executable, "-m", "launch.megatron_report", "--predict-max", str(log), "--micro", "4"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "12"
+    write_log(log, 4, 100.0, [9, 8], finished=False)
+    with pytest.raises(SystemExit, match="did not finish"):
+        R.predict_max(str(log), 4)
