@@ -1,9 +1,11 @@
 """One optimizer step on CPU tensors, ms per 1e8 parameters: CoatFP8AdamW (its C++ step), torch.optim.AdamW
 (foreach), DeepSpeed's DeepSpeedCPUAdam (its C++ op, built by DeepSpeed's op builder), and CoatFP8AdamW's torch
 reference step (on a smaller tensor, scaled), at 1 thread and at all cores, in one process. fp32 parameters and
-gradients, 10 tensors; median of `--steps` steps after 2 warm-up steps.
+gradients, 10 tensors; median of `--steps` steps after 2 warm-up steps. `--compare-source OLD.cpp` (repeatable) adds
+CoatFP8AdamW with the library built from another version of cpu_adamw.cpp; `--rounds R` runs the arms R times in turn
+(interleaved: machines shared with other work drift) and reports each arm's median over the rounds.
 
-    python benchmarks/bench_cpu_step.py [--params 1e8] [--threads 1,all]
+    python benchmarks/bench_cpu_step.py [--params 1e8] [--threads 1,all] [--compare-source old.cpp] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import warnings
 
 import torch
 
-from coat_kernels.optim import CoatFP8AdamW
+from coat_kernels.optim import CoatFP8AdamW, cpu_step
 
 
 def make_params(total, tensors, seed=0):
@@ -57,6 +59,9 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", default="1,all")
     ap.add_argument("--reference-params", type=float, default=2e6, help="size for the slow torch reference step")
+    ap.add_argument("--compare-source", action="append", default=[], help="another cpu_adamw.cpp to build and time")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--no-reference", action="store_true", help="skip the slow torch reference step")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     total = int(args.params)
@@ -64,21 +69,35 @@ def main():
     ds_adam, ds_why = deepspeed_cpu_adam()
     print(f"CPU: {cores} cores, torch {torch.__version__}; {total / 1e6:.0f}M parameters in {args.tensors} tensors"
           + ("" if ds_adam else f"; DeepSpeedCPUAdam unavailable ({ds_why})"))
+    others = {f"CoatFP8AdamW (C++ step, {os.path.basename(path)})": cpu_step.load(cpu_step.build(source=path))
+              for path in args.compare_source}
     rows = []
     for spec in args.threads.split(","):
         threads = cores if spec == "all" else int(spec)
         torch.set_num_threads(threads)
-        arms = [("CoatFP8AdamW (C++ step)", lambda ps: CoatFP8AdamW(ps, lr=1e-4), total),
-                ("torch AdamW (foreach)", lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True), total)]
+        arms = [("CoatFP8AdamW (C++ step)", lambda ps: CoatFP8AdamW(ps, lr=1e-4), total, None)]
+        arms += [(name, lambda ps: CoatFP8AdamW(ps, lr=1e-4), total, lib) for name, lib in others.items()]
+        arms.append(("torch AdamW (foreach)", lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True), total, None))
         if ds_adam is not None:
-            arms.append(("DeepSpeedCPUAdam", lambda ps: ds_adam(ps, lr=1e-4, adamw_mode=True), total))
-        arms.append(("CoatFP8AdamW torch reference (scaled)", lambda ps: _reference(ps), int(args.reference_params)))
-        for name, make, n in arms:
-            params = make_params(n, args.tensors)
-            seconds = time_steps(make(params), args.steps if n == total else 2)
-            rows.append((threads, name, seconds * 1e3 * 1e8 / n))
-            print(f"  threads {threads:3d}  {name:40s} {rows[-1][2]:9.1f} ms per 1e8 params", flush=True)
-            del params
+            arms.append(("DeepSpeedCPUAdam", lambda ps: ds_adam(ps, lr=1e-4, adamw_mode=True), total, None))
+        if not args.no_reference:
+            arms.append(("CoatFP8AdamW torch reference (scaled)", lambda ps: _reference(ps),
+                         int(args.reference_params), None))
+        measured = {name: [] for name, *_ in arms}
+        for _ in range(args.rounds):
+            for name, make, n, lib in arms:
+                default_library = cpu_step.library
+                if lib is not None:
+                    cpu_step.library = lambda lib=lib: lib
+                try:
+                    params = make_params(n, args.tensors)
+                    seconds = time_steps(make(params), args.steps if n == total else 2)
+                finally:
+                    cpu_step.library = default_library
+                measured[name].append(seconds * 1e3 * 1e8 / n)
+                print(f"  threads {threads:3d}  {name:40s} {measured[name][-1]:9.1f} ms per 1e8 params", flush=True)
+                del params
+        rows += [(threads, name, statistics.median(ms)) for name, ms in measured.items()]
     print("\n| threads | optimizer | ms per step per 1e8 params | x DeepSpeedCPUAdam | x torch AdamW |")
     print("|---|---|---|---|---|")
     for threads, name, ms in rows:

@@ -2,10 +2,11 @@
 
 `fused_adamw_step` has `dre_reference.fused_adamw_step`'s signature and results (the same bits: parameters, codes,
 metadata, skipped groups). The library is built with the system C++ compiler (`-O3 -march=native -ffp-contract=off
--fopenmp`: vectorized for this CPU, no fused multiply-add but the explicit ones) into ~/.cache/coat_fp8 (a temporary
-directory when that is not writable), keyed by the source, the flags and the compiler, and loaded through ctypes; a
-build takes a few seconds once per machine. Without a working compiler the step falls back to the torch reference,
-with one warning. Threads: torch.get_num_threads().
+-fopenmp`: vectorized for this CPU, no fused multiply-add but the explicit ones; on CPUs with AVX-512 VBMI the source
+selects its intrinsics path, elsewhere its portable one) into ~/.cache/coat_fp8 (a temporary directory when that is
+not writable), keyed by the source, the flags and the compiler, and loaded through ctypes; a build takes a few seconds
+once per machine. Without a working compiler the step falls back to the torch reference, with one warning. Threads:
+torch.get_num_threads().
 """
 from __future__ import annotations
 
@@ -43,35 +44,43 @@ def _cache_dir() -> Path:
     return Path(tempfile.gettempdir())
 
 
-def build(compiler: str | None = None) -> Path:
-    """Compile the library (if not cached) and return its path; raises on failure."""
+def build(compiler: str | None = None, extra_flags: tuple[str, ...] = (), source: Path = SOURCE) -> Path:
+    """Compile the library (if not cached) and return its path; raises on failure. extra_flags: appended to FLAGS
+    (the tests build the portable implementation alone with "-DCOAT_PORTABLE"); source: another version of the
+    file (benchmarks compare versions)."""
     compiler = compiler or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
+    flags = (*FLAGS, *extra_flags)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    key = hashlib.sha256(Path(source).read_bytes() + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
     path = _cache_dir() / f"coat_cpu_adamw-{key}.so"
     if not path.exists():
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
+        proc = subprocess.run([compiler, *flags, str(source), "-o", str(tmp)], capture_output=True, text=True,
                               timeout=300)
         if proc.returncode != 0:
-            raise RuntimeError(f"building {SOURCE.name} failed:\n{proc.stderr[-2000:]}")
+            raise RuntimeError(f"building {Path(source).name} failed:\n{proc.stderr[-2000:]}")
         os.replace(tmp, path)  # atomic: concurrent builds (several ranks) each produce the same file
     return path
+
+
+def load(path: Path):
+    """The library built at path, loaded."""
+    lib = ctypes.CDLL(str(path))
+    lib.coat_fused_adamw_step.restype = ctypes.c_int64
+    return lib
 
 
 @lru_cache(maxsize=1)
 def library():
     """The loaded library, or None (the build failed: one warning, and the reference is used)."""
     try:
-        lib = ctypes.CDLL(str(build()))
+        return load(build())
     except Exception as exc:  # no compiler, a failed build or load: the reference still works
         warnings.warn(f"coat-fp8: the fast CPU optimizer step is unavailable ({exc}); CPU tensors use the torch "
                       "reference step (same results, much slower)", RuntimeWarning, stacklevel=2)
         return None
-    lib.coat_fused_adamw_step.restype = ctypes.c_int64
-    return lib
 
 
 _BOUNDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layout -> (starts, lengths): made once each
