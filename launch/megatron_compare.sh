@@ -18,8 +18,9 @@
 #   coat_tp2_sp            coat_tp1 at TP=2 + sequence parallelism                                2 GPUs
 # MICROS: the micro-batch sizes to run (global batch = micro-batch, one micro-batch per step). "max": the largest
 # that fits, predicted from the same arm's run at the first size (its peak and its memory between iterations, linear
-# in the micro-batch), tried, and lowered until it runs. ITERS iterations at the first size, MAX_ITERS (default 30)
-# at "max". 1-GPU arms run NGPUS at a time (one per GPU); 2-GPU arms alone, skipped on one GPU.
+# in the micro-batch), tried, and lowered (by 1/8; by 1 below 16) while it runs out of memory; "max:N": the same
+# search from N. ITERS iterations at fixed sizes, MAX_ITERS (default 30) at "max". 1-GPU arms run NGPUS at a time
+# (one per GPU); 2-GPU arms alone, skipped on one GPU.
 # MODEL=gpt370m (default): 24 layers, hidden 1024, 16 heads, SwiGLU FFN 2816, seq 1024; gpt1b: 16 layers, hidden
 # 2048, 16 heads, FFN 5632 (~0.95B parameters), seq 1024; gpt7b8l: Llama-2-7B's layer shape (hidden 4096, 32 heads,
 # FFN 11008) cut to 8 layers, seq 2048. All: RMSNorm, RoPE, untied embeddings, distributed optimizer, no activation
@@ -103,23 +104,30 @@ run() {  # run LOG GPUS NPROC PORT MICRO ITERS ARM: one training run; its exit s
   return $rc
 }
 
+# what a run that does not fit says (cuBLAS and cuDNN report a failed allocation their own way)
+OOM="out of memory|OutOfMemoryError|ALLOC_FAILED|cudaErrorMemoryAllocation|CUDNN_STATUS_(ALLOC|INTERNAL|EXECUTION)"
+
 run_arm() {  # run_arm ARM GPUS NPROC PORT: every size in MICROS
   local arm=$1 gpus=$2 nproc=$3 port=$4 first="" micro
   for micro in ${MICROS:-8}; do
-    if [[ $micro != max ]]; then
+    if [[ $micro != max* ]]; then
       first=${first:-$micro}
       run "$OUT/${arm}_mb${micro}.log" "$gpus" "$nproc" "$port" "$micro" "$ITERS" "$arm" || true
       continue
     fi
-    micro=$(python3 -m launch.megatron_report --predict-max "$OUT/${arm}_mb${first}.log" --micro "$first") || {
-      echo "== $arm: no prediction of the largest micro-batch (needs a finished run at ${first:-a fixed size})"
-      continue; }
+    if [[ $micro == max:* ]]; then
+      micro=${micro#max:}
+    else
+      micro=$(python3 -m launch.megatron_report --predict-max "$OUT/${arm}_mb${first}.log" --micro "$first") || {
+        echo "== $arm: no prediction of the largest micro-batch (needs a finished run at ${first:-a fixed size})"
+        continue; }
+    fi
     local tries=0
-    while (( micro > 0 && tries < 4 )); do
+    while (( micro > 0 && tries < 5 )); do
       if run "$OUT/${arm}_mbmax.log" "$gpus" "$nproc" "$port" "$micro" "$MAX_ITERS" "$arm"; then break; fi
-      grep -qiE "out of memory|OutOfMemoryError" "$OUT/${arm}_mbmax.log" || break
+      grep -qiE "$OOM" "$OUT/${arm}_mbmax.log" || break
       mv "$OUT/${arm}_mbmax.log" "$OUT/${arm}_mb${micro}_oom.log"
-      micro=$(( micro * 7 / 8 )); tries=$((tries + 1))
+      micro=$(( micro - (micro >= 16 ? micro / 8 : 1) )); tries=$((tries + 1))
     done
   done
 }
@@ -132,7 +140,7 @@ for arm in $ARMS; do
     if (( NGPUS < 2 )); then echo "== $arm skipped: needs 2 GPUs, $NGPUS visible"; continue; fi
     run_arm "$arm" 0,1 2 29511
   else
-    run_arm "$arm" "$slot" 1 $((29501 + slot)) &
+    { run_arm "$arm" "$slot" 1 $((29501 + slot)); python3 -m launch.megatron_report "$OUT" > /dev/null || true; } &
     slot=$((slot + 1))
     if (( slot >= NGPUS )); then wait; slot=0; fi
   fi
