@@ -1,13 +1,15 @@
 """One call that enables COAT in a megatron.training job: `handle = coat_megatron.enable_coat()`.
 
-It is idempotent (a second call returns the same handle) and does three things:
+It is idempotent (a second call returns the same handle) and does four things:
 1. `--transformer-impl coat` and the `--coat-*` flags in every parser megatron.training builds;
 2. `megatron.training.training.get_megatron_optimizer` wrapped: with `--coat-optimizer` the inner Adam of the
    distributed / mixed-precision optimizer becomes CoatFP8AdamW (coat_megatron.optimizer), and every inner optimizer
    ticks the step clock of the COAT weight caches, so each FP8 weight is quantized once per optimizer step (Megatron
    writes weights through `.data` and parameter all-gathers, which no tensor version counter sees);
 3. the handle: a model provider builds the COAT layers with `handle.decoder_block_spec(config, args)` for
-   `--transformer-impl coat` (the layers then share the handle's CoatRuntime, whose clock the optimizer ticks).
+   `--transformer-impl coat` (the layers then share the handle's CoatRuntime, whose clock the optimizer ticks);
+4. with `--cuda-graph-impl full_iteration`, the eager warm-up's cached memory is released before the capture
+   (coat_megatron.cuda_graphs), so the captured iteration fits where the eager ones did.
 Call it before megatron.training's `pretrain` (coat_megatron.pretrain_gpt does).
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from coat_kernels.act import ActivationConfig, CoatRuntime
 
 from .arguments import coat_optimizer_options, install_coat_args
+from .cuda_graphs import release_memory_before_capture
 from .layers import MEGATRON_ACTIVATION_CONFIG
 from .spec import get_gpt_decoder_block_coat_spec
 
@@ -48,6 +51,7 @@ def enable_coat() -> CoatMegatron:
     from megatron.training import get_args, training
 
     install_coat_args()
+    release_memory_before_capture()
     wrapped = training.get_megatron_optimizer
     handle = getattr(wrapped, "coat_handle", None)
     if handle is not None:

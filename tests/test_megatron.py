@@ -196,3 +196,37 @@ def test_enable_coat_handle_ticks_the_weight_clock_after_inner_steps():
     assert handle.runtime.clock.count == 2
     config = handle.activation_config(SimpleNamespace(coat_fprop_fast_accum=True))
     assert config.fprop_fast_accum and config.cache_weights
+
+
+def test_full_iteration_graph_capture_releases_cached_memory_first(monkeypatch):
+    """FullCudaGraphWrapper captures at call number cuda_graph_warmup_steps: the eager warm-up's cached blocks are
+    released right before that call (once per stage), never at the other calls."""
+    import torch
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+    from coat_megatron.cuda_graphs import release_memory_before_capture
+
+    events = []
+
+    def fake_call(self, *args, **kwargs):  # the wrapper's own bookkeeping: capture at warmup_steps, then replay
+        stage = "validation" if kwargs.get("forward_only") else "training"
+        if self.curr_iter(stage) == self.cuda_graph_warmup_steps:
+            FullCudaGraphWrapper.cuda_graph[stage] = "graph"
+        events.append((stage, self.curr_iter(stage)))
+        self.next_iter(stage)
+
+    monkeypatch.setattr(FullCudaGraphWrapper, "__call__", fake_call)
+    monkeypatch.setattr(FullCudaGraphWrapper, "cuda_graph", {"training": None, "validation": None})
+    monkeypatch.setattr(FullCudaGraphWrapper, "curr_iteration", {"training": 0, "validation": 0})
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    assert release_memory_before_capture() and release_memory_before_capture()  # idempotent
+    wrapper = object.__new__(FullCudaGraphWrapper)  # its __init__ makes a CUDA stream
+    wrapper.cuda_graph_warmup_steps = 2
+    for _ in range(4):
+        wrapper(forward_only=False)
+    wrapper(forward_only=True)
+    wrapper(forward_only=True)
+    wrapper(forward_only=True)
+    assert events == [("training", 0), ("training", 1), "empty_cache", ("training", 2), ("training", 3),
+                      ("validation", 0), ("validation", 1), "empty_cache", ("validation", 2)]
