@@ -19,7 +19,6 @@ masks, attention dropout in training, activation offloading, the TE or Megatron 
 """
 from __future__ import annotations
 
-import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType

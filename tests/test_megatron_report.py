@@ -20,8 +20,8 @@ def write_log(path, micro, ms, losses, iters=30, peak=40.0, held=10.0, card=80.0
                      f"(TFLOP/s/GPU): 100.0 | learning rate: 3.000000E-04 | global batch size: {micro:5d} | "
                      f"lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: 1.000 |")
     if finished:
-        lines += [f"[coat_megatron] rank 0 optimizer state: MegatronCoatFP8AdamW 100.0 MiB for 1.00M elements "
-                  f"(2.188 B/element)", f"[coat_megatron] rank 0 peak memory allocated: {peak:.2f} GiB",
+        lines += ["[coat_megatron] rank 0 optimizer state: MegatronCoatFP8AdamW 100.0 MiB for 1.00M elements "
+                  "(2.188 B/element)", f"[coat_megatron] rank 0 peak memory allocated: {peak:.2f} GiB",
                   f"[coat_megatron] rank 0 memory allocated after training: {held:.2f} GiB of {card:.2f} GiB"]
     path.write_text("\n".join(lines) + "\n")
 
