@@ -11,7 +11,7 @@ import os
 import sys
 
 import torch
-from rank_jobs import free_port  # noqa: F401 - re-exported for the DeepSpeed tests
+from rank_jobs import end_rank_process, free_port  # noqa: F401 - free_port re-exported for the DeepSpeed tests
 
 HIDDEN = (24, 40, 40, 8)  # MLP widths: 2968 parameters in 6 tensors, several groups of 128, cut points inside
 BATCH = 4
@@ -20,6 +20,7 @@ BATCH = 4
 def start_rank(rank: int, world: int, rendezvous_file: str, timeout_s: int = 300) -> None:
     """Environment for one rank, the shm-op stub and init_distributed (gloo, file rendezvous: no port to race for
     with other jobs on the machine)."""
+    faulthandler.enable()
     faulthandler.dump_traceback_later(timeout_s, exit=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getppid() % 1000), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world), DS_ACCELERATOR="cpu")
@@ -28,13 +29,8 @@ def start_rank(rank: int, world: int, rendezvous_file: str, timeout_s: int = 300
 
 
 def finish_rank() -> None:
-    """Leave together and tear gloo down before the process exits (exiting with it alive can abort the process:
-    'terminate called without an active exception')."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    """The last call of every DeepSpeed rank job: see rank_jobs.end_rank_process."""
+    end_rank_process()
 
 
 def init_deepspeed_distributed(init_method=None, rank=-1, world_size=-1) -> None:

@@ -10,6 +10,7 @@ import os
 import sys
 
 assert "coat_ds" not in sys.modules and "deepspeed" not in sys.modules
+faulthandler.enable()
 faulthandler.dump_traceback_later(400, exit=True)
 os.environ["DS_ACCELERATOR"] = "cpu"
 
@@ -19,6 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 importlib.import_module("deepspeed.comm.torch")  # test harness: no shared-memory op build on CPU
 sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 import deepspeed  # noqa: E402
+from rank_jobs import end_rank_process  # noqa: E402
 
 torch.set_num_threads(1)
 deepspeed.init_distributed(dist_backend="gloo")
@@ -77,5 +79,4 @@ for stage in (2, 3):
     del base, coat
     print(f"rank {rank}: ZeRO-{stage} coat section OK, losses {[round(x, 4) for x in b]} vs {[round(x, 4) for x in a]}",
           flush=True)
-torch.distributed.barrier()
-torch.distributed.destroy_process_group()
+end_rank_process()

@@ -376,8 +376,6 @@ def worker(rank, world, out_dir, port):
     res["seconds"] = time.time() - t0
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -27,13 +27,39 @@ def run_job(script: str, out: Path, timeout: int, world: int = 2) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+def end_rank_process() -> None:
+    """Leave together, tear the process groups down, and end this rank's process without interpreter finalization.
+
+    Gloo's C++ threads can still own objects holding Python references (async work, tensors) when the interpreter
+    shuts down; destroying them then aborts the process now and then ('terminate called without an active
+    exception', SIGABRT), which fails a test whose work all passed. Every rank has written its results by now.
+    Skipping finalization skips multiprocessing's exit handler too, so the worker processes this rank started
+    (checkpoint writers) are stopped here; left alive they would hold the job's output pipes open."""
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(timeout=30)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def init_gloo_rank(rank: int, world: int, port: int) -> None:
-    """This process as rank `rank` of a gloo group on localhost (warnings off, one CPU thread)."""
+    """This process as rank `rank` of a gloo group on localhost (warnings off, one CPU thread, Python stacks
+    printed on a fatal signal)."""
+    import faulthandler
     import warnings
 
     import torch
     import torch.distributed as dist
 
+    faulthandler.enable()
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -48,6 +74,7 @@ def _entry(rank, worker, world, out_dir, port):
         with open(os.path.join(out_dir, f"rank{rank}.error"), "w") as f:
             f.write(traceback.format_exc())
         raise
+    end_rank_process()
 
 
 def spawn_ranks(worker, world: int = 2) -> None:
