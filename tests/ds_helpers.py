@@ -11,7 +11,7 @@ import os
 import sys
 
 import torch
-from rank_jobs import end_rank_process, free_port  # noqa: F401 - free_port re-exported for the DeepSpeed tests
+from rank_jobs import end_rank_process, free_port  # noqa: F401 - re-exported for the DeepSpeed jobs
 
 HIDDEN = (24, 40, 40, 8)  # MLP widths: 2968 parameters in 6 tensors, several groups of 128, cut points inside
 BATCH = 4
@@ -26,11 +26,6 @@ def start_rank(rank: int, world: int, rendezvous_file: str, timeout_s: int = 300
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
     init_deepspeed_distributed(init_method=f"file://{rendezvous_file}", rank=rank, world_size=world)
-
-
-def finish_rank() -> None:
-    """The last call of every DeepSpeed rank job: see rank_jobs.end_rank_process."""
-    end_rank_process()
 
 
 def init_deepspeed_distributed(init_method=None, rank=-1, world_size=-1) -> None:

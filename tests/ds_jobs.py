@@ -165,7 +165,7 @@ def stages_worker(rank, world, rendezvous, out_dir):
     if rank == 0:
         with open(os.path.join(out_dir, "stages.txt"), "w") as f:
             f.writelines(f"{r}\n" for r in report)
-    H.finish_rank()
+    H.end_rank_process()
 
 
 def compare_with_reference(engine, stage, dtype, numels, rank, world, snapshot, exact, label):
@@ -327,7 +327,7 @@ def checkpoint_worker(rank, world, rendezvous, ck_dir):
         del e1, e2
 
     nonfinite_gradients(rank, tdt=torch.bfloat16)
-    H.finish_rank()
+    H.end_rank_process()
 
 
 def nonfinite_gradients(rank, tdt):
@@ -406,7 +406,7 @@ def one_rank_worker(rank, world, rendezvous, ck_dir):
         optimizer=lambda params: coat_ds.CoatFP8AdamW(params, lr=1e-2))[0]
     train(client_callable, 2, rank, torch.float32)
     assert float(flat_state(client_callable)[1]["step"]) == 2.0
-    H.finish_rank()
+    H.end_rank_process()
 
 
 def universal_same_dp_worker(rank, world, rendezvous, ck_dir):
@@ -425,7 +425,7 @@ def universal_same_dp_worker(rank, world, rendezvous, ck_dir):
         assert torch.equal(flat, expected["flat"]), f"{tag}: partition differs after the resumed step"
         assert not H.states_equal(state, expected["state"]), (tag, H.states_equal(state, expected["state"]))
         del engine
-    H.finish_rank()
+    H.end_rank_process()
 
 
 def load_universal_and_check(ck_dir, tag, expected_file, numels, rank, world, next_step, stage=2, dtype="bf16",

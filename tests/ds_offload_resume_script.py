@@ -72,4 +72,4 @@ assert any(deepspeed.utils.safe_get_full_optimizer_state(p, "exp_avg").any() for
 for a, b in zip(snapshot(resumed), before):
     assert torch.equal(H.fp8_bytes(a), H.fp8_bytes(b))
 print(f"rank {rank}: offload resume bit-exact, losses {losses_resumed}", flush=True)
-H.finish_rank()
+H.end_rank_process()

@@ -36,4 +36,4 @@ del offloaded, on_device
 numels = [p.numel() for p in H.make_model().parameters()]
 ds_jobs.load_universal_and_check(sys.argv[1], "dp1_universal", "dp1_expected.pt", numels, rank, world, next_step=4)
 print(f"rank {rank}: registration, offload and DP 1 -> 2 OK", flush=True)
-H.finish_rank()
+H.end_rank_process()
