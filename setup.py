@@ -5,7 +5,7 @@
 - editable (PEP 660) wheels keep nothing from build_lib but the package finder, so it is written next to the
   finder's own .pth, into the folder setuptools zips as the wheel (`_install_namespaces` is setuptools' hook that
   writes the namespace-package .pth files there; present since setuptools 64).
-tests/test_deepspeed_registration.py checks the installed result.
+tests/deepspeed/test_deepspeed_registration.py checks the installed result.
 """
 import shutil
 from pathlib import Path

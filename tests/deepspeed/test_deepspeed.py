@@ -1,6 +1,6 @@
 """CoatFP8AdamW under DeepSpeed 0.19.8 on CPU: 2 gloo ranks, ZeRO-0/1/2/3, bf16/fp32, checkpoints, re-sharding.
 
-Each test spawns fresh rank processes (tests/ds_jobs.py); many assertions share one job, because starting
+Each test spawns fresh rank processes (tests/jobs/ds_job.py); many assertions share one job, because starting
 DeepSpeed costs ~10 s per process on CI's 2 cores.
 """
 import os
@@ -12,10 +12,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 import ds_helpers as H  # noqa: E402
-import ds_jobs  # noqa: E402
+import ds_job  # noqa: E402
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)
 
@@ -24,7 +22,7 @@ def test_zero_stages_match_single_process(tmp_path):
     """Stages 0 (bf16 unfused), 1, 2, 3, BF16_Optimizer, bf16 and fp32: fragment tables pinned against DeepSpeed's
     layout, groups never straddle parameters, states equal a run without DeepSpeed away from cut points (fp32),
     losses / weights / moments within FP8 tolerance, ~2.2 bytes of state per element."""
-    mp.spawn(ds_jobs.stages_worker, args=(2, str(tmp_path / "rdzv"), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(ds_job.stages_worker, args=(2, str(tmp_path / "rdzv"), str(tmp_path)), nprocs=2, join=True)
     assert (tmp_path / "stages.txt").read_text().count("\n") == 9
 
 
@@ -34,16 +32,16 @@ def test_checkpoints_nonfinite_and_resharding(tmp_path):
     1 -> 2 (ZeRO-2) through coat_ds.to_universal; bad configs; the client-callable route."""
     ck = tmp_path / "ck"
     ck.mkdir()
-    mp.spawn(ds_jobs.checkpoint_worker, args=(2, str(tmp_path / "rdzv2"), str(ck)), nprocs=2, join=True)
+    mp.spawn(ds_job.checkpoint_worker, args=(2, str(tmp_path / "rdzv2"), str(ck)), nprocs=2, join=True)
     check_zero_to_fp32(ck)
     to_universal(ck / "z2_bf16", ck / "z2_bf16_universal")
     to_universal(ck / "z3_fp32", ck / "z3_fp32_universal")
-    mp.spawn(ds_jobs.universal_same_dp_worker, args=(2, str(tmp_path / "rdzv2u"), str(ck)), nprocs=2, join=True)
-    mp.spawn(ds_jobs.one_rank_worker, args=(1, str(tmp_path / "rdzv1"), str(ck)), nprocs=1, join=True)
+    mp.spawn(ds_job.universal_same_dp_worker, args=(2, str(tmp_path / "rdzv2u"), str(ck)), nprocs=2, join=True)
+    mp.spawn(ds_job.one_rank_worker, args=(1, str(tmp_path / "rdzv1"), str(ck)), nprocs=1, join=True)
     to_universal(ck / "dp1", ck / "dp1_universal")
     # a script that never imports coat_ds, under torchrun: registration by the .pth hook, CPU offload, DP 1 -> 2
     run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(H.free_port()),
-         os.path.join(HERE, "ds_registration_script.py"), str(ck)], expect="DP 1 -> 2 OK")
+         str(H.JOBS / "ds_registration_job.py"), str(ck)], expect="DP 1 -> 2 OK")
 
 
 def run(cmd, expect):

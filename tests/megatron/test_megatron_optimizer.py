@@ -1,6 +1,6 @@
 """`--coat-optimizer`: CoatFP8AdamW inside Megatron's DistributedOptimizer / Float16OptimizerWithFloat16Params (CPU).
 
-The multi-process checks run once, in one spawned two-rank gloo job (tests/megatron_optimizer_jobs.py; its CPU shims
+The multi-process checks run once, in one spawned two-rank gloo job (tests/jobs/megatron_optimizer_job.py; its CPU shims
 are documented there): real `get_megatron_optimizer` + `use_coat_optimizer` on a 3-layer GPT wrapped in Megatron's
 DDP, DP=2. Also passes against megatron-core 0.19.2's core (PYTHONPATH=<unpacked 0.19.2 wheel>).
 """
@@ -10,18 +10,17 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from rank_jobs import run_job
+from rank_helpers import run_job
 import torch
 
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 UPDATE_TOL = 0.05  # relative L2 error of a parameter's 3-step update against torch AdamW
 
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    return run_job("megatron_optimizer_jobs.py", tmp_path_factory.mktemp("megatron_optimizer_job"), timeout=300)
+    return run_job("megatron_optimizer_job.py", tmp_path_factory.mktemp("megatron_optimizer_job"), timeout=300)
 
 
 RUNS = ("mixed", "bf16", "bf16_e5m2", "float16")

@@ -10,6 +10,8 @@ import sys
 import traceback
 from pathlib import Path
 
+JOBS = Path(__file__).resolve().parent  # this folder: the job scripts the tests start
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -19,8 +21,7 @@ def free_port() -> int:
 
 def run_job(script: str, out: Path, timeout: int, world: int = 2) -> list[dict]:
     """Run tests/<script> OUT PORT; every rank's JSON, or an assertion error with the first traceback."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run([sys.executable, os.path.join(here, script), str(out), str(free_port())],
+    proc = subprocess.run([sys.executable, str(JOBS / script), str(out), str(free_port())],
                           capture_output=True, text=True, timeout=timeout)
     errors = [p.read_text() for p in out.glob("rank*.error")]
     assert proc.returncode == 0 and not errors, (errors[0] if errors else proc.stderr[-4000:])

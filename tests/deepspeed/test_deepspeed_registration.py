@@ -14,7 +14,7 @@ import pytest
 
 from coat_ds.engine_hooks import check_optimizer_type
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PTH = ROOT / "coat_ds" / "coat_fp8_autoregister.pth"
 
 
@@ -127,7 +127,7 @@ def test_misspelled_type_fails_deepspeed_initialize_with_the_hint():
 def test_hf_trainer_with_deepspeed_trains_saves_and_resumes_exactly(tmp_path):
     """Trainer + ZeRO-2 + "type": "CoatFP8AdamW" from a script that never imports coat_ds: 6 steps straight, and 3
     steps resumed from the step-3 checkpoint of that run, give the same losses."""
-    job = Path(__file__).with_name("hf_trainer_job.py")
+    job = JOBS / "hf_trainer_job.py"
 
     def run(*args, port):
         proc = subprocess.run([sys.executable, str(job), *map(str, args)], capture_output=True, text=True,

@@ -11,7 +11,7 @@ import os
 import sys
 
 import torch
-from rank_jobs import end_rank_process, free_port  # noqa: F401 - re-exported for the DeepSpeed jobs
+from rank_helpers import JOBS, end_rank_process, free_port  # noqa: F401 - re-exported for the DeepSpeed jobs
 
 HIDDEN = (24, 40, 40, 8)  # MLP widths: 2968 parameters in 6 tensors, several groups of 128, cut points inside
 BATCH = 4

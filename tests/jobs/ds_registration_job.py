@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import ds_helpers as H  # noqa: E402  (torch only)
-import ds_jobs  # noqa: E402  (torch only)
+import ds_job  # noqa: E402  (torch only)
 
 torch.set_num_threads(1)
 H.init_deepspeed_distributed()  # imports deepspeed
@@ -28,12 +28,12 @@ offloaded, *_ = deepspeed.initialize(model=H.make_model(), config=H.ds_config(
     2, "fp32", zero_optimization={"offload_optimizer": {"device": "cpu"}}))
 on_device, *_ = deepspeed.initialize(model=H.make_model(), config=H.ds_config(2, "fp32"))
 assert type(offloaded.basic_optimizer).__name__ == "CoatFP8AdamW" and offloaded.optimizer.cpu_offload
-losses = [ds_jobs.train(e, 3, rank, torch.float32) for e in (offloaded, on_device)]
+losses = [ds_job.train(e, 3, rank, torch.float32) for e in (offloaded, on_device)]
 assert losses[0] == losses[1], losses
-assert torch.equal(ds_jobs.flat_state(offloaded)[0], ds_jobs.flat_state(on_device)[0])
+assert torch.equal(ds_job.flat_state(offloaded)[0], ds_job.flat_state(on_device)[0])
 del offloaded, on_device
 
 numels = [p.numel() for p in H.make_model().parameters()]
-ds_jobs.load_universal_and_check(sys.argv[1], "dp1_universal", "dp1_expected.pt", numels, rank, world, next_step=4)
+ds_job.load_universal_and_check(sys.argv[1], "dp1_universal", "dp1_expected.pt", numels, rank, world, next_step=4)
 print(f"rank {rank}: registration, offload and DP 1 -> 2 OK", flush=True)
 H.end_rank_process()

@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 importlib.import_module("deepspeed.comm.torch")  # test harness: no shared-memory op build on CPU
 sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 import deepspeed  # noqa: E402
-from rank_jobs import end_rank_process  # noqa: E402
+from rank_helpers import end_rank_process  # noqa: E402
 
 torch.set_num_threads(1)
 deepspeed.init_distributed(dist_backend="gloo")

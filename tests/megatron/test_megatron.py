@@ -1,7 +1,7 @@
 """coat_megatron on CPU (megatron-core 0.16.x, gloo): spec, TP=1/TP=2/SP numerics against the local BF16 spec,
 FP8 saved-for-backward tensors, a TP=2 -> TP=1 distributed checkpoint, and the `--transformer-impl coat` flag.
 
-All multi-process checks run once, in one spawned two-process job (tests/megatron_cpu_jobs.py).
+All multi-process checks run once, in one spawned two-process job (tests/jobs/megatron_job.py).
 """
 import argparse
 import os
@@ -9,10 +9,10 @@ import subprocess
 import sys
 
 import pytest
-from rank_jobs import run_job
+from rank_helpers import run_job
 
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # FP8 (E4M3 activations/weights, E5M2 gradients) against BF16 on a tiny 2-layer GPT.
 LOSS_REL_TOL = 0.01
 GRAD_REL_TOL = 0.15
@@ -21,7 +21,7 @@ GRAD_REL_TOL = 0.15
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    return run_job("megatron_cpu_jobs.py", tmp_path_factory.mktemp("megatron_job"), timeout=420)
+    return run_job("megatron_job.py", tmp_path_factory.mktemp("megatron_job"), timeout=420)
 
 
 def test_spec_builds_te_shaped_modules(job):
@@ -174,7 +174,7 @@ def test_launcher_without_megatron_training_says_what_is_missing():
     except ImportError:
         pass
     proc = subprocess.run([sys.executable, "-m", "coat_megatron.pretrain_gpt", "--transformer-impl", "coat"],
-                          capture_output=True, text=True, timeout=120, cwd=os.path.dirname(HERE))
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode != 0
     assert "megatron.training ships in the megatron-core wheel from 0.17.0 on" in proc.stderr
 

@@ -1,4 +1,4 @@
-"""Multi-rank DeepSpeed jobs run by tests/test_deepspeed.py (each function is one rank's body; asserts inside).
+"""Multi-rank DeepSpeed jobs run by tests/deepspeed/test_deepspeed.py (each function is one rank's body; asserts inside).
 
 Kept out of the test module so that spawned workers import only this file, ds_helpers and what they need.
 """

@@ -1,7 +1,7 @@
 """Two gloo processes that run every Megatron CPU check once and write the measurements to a JSON file.
 
-Run by tests/test_megatron.py (imports of megatron-core cost ~20 s per process, so all checks share one job):
-  python tests/megatron_cpu_jobs.py OUT_DIR PORT
+Run by tests/megatron/test_megatron.py (imports of megatron-core cost ~20 s per process, so all checks share one job):
+  python tests/jobs/megatron_job.py OUT_DIR PORT
 Phases (both ranks): TP=1 (as DP=2) COAT vs local BF16 and saved-tensor dtypes; TP=2 COAT vs local; TP=2 + SP
 vs TP=2; a TP=2 dist checkpoint loaded at TP=1 by the COAT and the local spec.
 
@@ -15,7 +15,7 @@ import os
 import time
 
 import torch
-from rank_jobs import init_gloo_rank
+from rank_helpers import init_gloo_rank
 import torch.distributed as dist
 import torch.nn.functional as F
 
@@ -313,6 +313,6 @@ def saved_tensor_census_local():
 
 
 if __name__ == "__main__":
-    from rank_jobs import spawn_ranks
+    from rank_helpers import spawn_ranks
 
     spawn_ranks(worker)

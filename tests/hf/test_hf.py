@@ -17,10 +17,9 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
 
 from coat_ds import ActivationConfig, coat_runtime, convert_to_coat
 from coat_ds.ds_config import parse_section
-from rank_jobs import free_port
+from rank_helpers import JOBS, free_port
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)
-HERE = Path(__file__).resolve().parent
 VOCAB, SEQ = 128, 32
 FAMILIES = {"llama": (LlamaForCausalLM, LlamaConfig, {}), "mistral": (MistralForCausalLM, MistralConfig, {}),
             "qwen2": (Qwen2ForCausalLM, Qwen2Config, {}), "qwen3": (Qwen3ForCausalLM, Qwen3Config, {"head_dim": 16})}
@@ -153,9 +152,9 @@ def test_unsupported_models_and_bad_sections_fail_clearly():
 
 
 def test_deepspeed_zero2_and_zero3_from_the_ds_config_alone():
-    """A torchrun script that never imports coat_ds (tests/hf_ds_script.py)."""
+    """A torchrun script that never imports coat_ds (tests/jobs/hf_ds_job.py)."""
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), str(HERE / "hf_ds_script.py")], capture_output=True, text=True,
+                           str(free_port()), str(JOBS / "hf_ds_job.py")], capture_output=True, text=True,
                           timeout=600, env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for stage in (2, 3):
@@ -163,7 +162,7 @@ def test_deepspeed_zero2_and_zero3_from_the_ds_config_alone():
 
 
 def test_hf_trainer_with_the_coat_section(tmp_path):
-    proc = subprocess.run([sys.executable, str(HERE / "hf_trainer_job.py"), str(tmp_path / "t"), "3", "--coat"],
+    proc = subprocess.run([sys.executable, str(JOBS / "hf_trainer_job.py"), str(tmp_path / "t"), "3", "--coat"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env={**os.environ, "MASTER_PORT": str(free_port())})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

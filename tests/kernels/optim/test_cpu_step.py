@@ -17,9 +17,8 @@ import torch
 from coat_kernels.optim import CoatFP8AdamW, cpu_step
 from coat_kernels.optim import dre_reference as ref
 from coat_kernels.optim.grouping import build_layout
-from rank_jobs import free_port
+from rank_helpers import JOBS, free_port
 
-HERE = Path(__file__).resolve().parent
 N = 5000
 SEGMENTS = [(0, 301, 0), (301, 5, 7), (310, 3000, 1_000_003), (3400, 1600, 64)]
 
@@ -230,7 +229,7 @@ def test_failed_build_falls_back_to_the_reference_with_one_warning(monkeypatch):
 
 def test_deepspeed_zero2_cpu_offload_resumes_bit_exactly(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), str(HERE / "ds_offload_resume_script.py"), str(tmp_path)],
+                           str(free_port()), str(JOBS / "ds_offload_resume_job.py"), str(tmp_path)],
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

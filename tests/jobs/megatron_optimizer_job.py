@@ -1,6 +1,6 @@
 """Two gloo processes that check `--coat-optimizer` (coat_megatron.optimizer) under Megatron's real optimizers.
 
-Run by tests/test_megatron_optimizer.py:  python tests/megatron_optimizer_jobs.py OUT_DIR PORT
+Run by tests/megatron/test_megatron_optimizer.py:  python tests/jobs/megatron_optimizer_job.py OUT_DIR PORT
 Each rank writes OUT_DIR/rank{r}.json. A 2-layer GPT (local BF16 spec) is wrapped in Megatron's DDP, its
 optimizer built by `get_megatron_optimizer` and its inner Adam swapped by `use_coat_optimizer`. Phases:
 - distributed optimizer (DP=2): every inner step is replayed by a plain CoatFP8AdamW on copies of the same
@@ -24,7 +24,7 @@ import sys
 import time
 
 import torch
-from rank_jobs import init_gloo_rank
+from rank_helpers import init_gloo_rank
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -71,8 +71,8 @@ def build(distributed, coat, float16_module=True, **coat_options):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
-    from megatron_cpu_jobs import build as build_gpt
-    from megatron_cpu_jobs import make_config
+    from megatron_job import build as build_gpt
+    from megatron_job import make_config
 
     from coat_megatron.optimizer import use_coat_optimizer
 
@@ -91,7 +91,7 @@ def build(distributed, coat, float16_module=True, **coat_options):
 
 
 def train_step(model, optimizer, it):
-    from megatron_cpu_jobs import batch
+    from megatron_job import batch
 
     model.zero_grad_buffer()
     optimizer.zero_grad()
@@ -362,12 +362,12 @@ def float16_optimizer(out_dir):
 def worker(rank, world, out_dir, port):
     apply_cpu_shims()
     init_gloo_rank(rank, world, port)
-    import megatron_cpu_jobs
+    import megatron_job
 
     # 3 layers and 129 tokens: the two DP shards split linear_fc1 of layer 1 at 12352, inside a 128-group.
-    megatron_cpu_jobs.LAYERS, megatron_cpu_jobs.VOCAB = 3, 129
+    megatron_job.LAYERS, megatron_job.VOCAB = 3, 129
     t0 = time.time()
-    megatron_cpu_jobs.init_parallel(1)
+    megatron_job.init_parallel(1)
     res = {"mixed": train_and_compare(distributed=True, float16_module=False)[2]}
     model, optimizer, res["bf16"] = train_and_compare(distributed=True)
     res["bf16_e5m2"] = train_and_compare(distributed=True, exp_avg_sq_format="e5m2")[2]
@@ -379,6 +379,6 @@ def worker(rank, world, out_dir, port):
 
 
 if __name__ == "__main__":
-    from rank_jobs import spawn_ranks
+    from rank_helpers import spawn_ranks
 
     spawn_ranks(worker)
