@@ -1,8 +1,8 @@
 """One Llama-2-7B decoder layer (H 4096, SwiGLU FFN 11008, 32 heads, batch 4 x seq 2048, RMSNorm, RoPE, causal SDPA
 flash attention): fwd+bwd ms and memory saved for backward of every variant, measured the same way in one process.
 
-Variants: COAT (coat_kernels.act.CoatLlamaDecoderLayer) with weights quantized every step, with a warm weight cache
-(what micro-batches after the first of a step see), with fast-accumulation forward GEMMs; BF16 eager and
+Variants: COAT (Hugging Face's Llama layer converted by coat_hf) with weights quantized every step, with a warm weight
+cache (what micro-batches after the first of a step see), with fast-accumulation forward GEMMs; BF16 eager and
 torch.compile; torchao float8 tensorwise + compile; TransformerEngine BF16 / FP8 delayed / FP8 current scaling
 (when `transformer_engine` imports); COAT and BF16 replayed as CUDA graphs (captured in child processes, so a failed
 capture cannot touch the other rows). Also the output/gradient error of each against an fp32 layer, the dtypes COAT

@@ -24,7 +24,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import layer_common as lc  # noqa: E402
 
-from coat_kernels.act import functional, fused_mlp, gemm, llama, norm, rope, scaling, swiglu  # noqa: E402
+from coat_hf import decoder  # noqa: E402
+from coat_hf.families import llama  # noqa: E402
+from coat_kernels.act import functional, fused_mlp, gemm, norm, rope, scaling, swiglu  # noqa: E402
 from coat_kernels.act import tensor_quant as TQ  # noqa: E402
 
 BUSY_CYCLES = 400_000_000  # ~0.2 s of GPU sleep: longer than any host work measured here
@@ -109,7 +111,7 @@ def traced_forward(layer, x, params):
         return wrapper
 
     patched = []
-    for mod in (TQ, scaling, norm, swiglu, rope, gemm, functional, fused_mlp, llama):
+    for mod in (TQ, scaling, norm, swiglu, rope, gemm, functional, fused_mlp, decoder, llama):
         for name, fn in list(vars(mod).items()):
             if inspect.isfunction(fn) and fn.__module__ == mod.__name__:
                 patched.append((mod, name, fn))

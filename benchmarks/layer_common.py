@@ -21,8 +21,9 @@ try:  # before any CUDA work: TE must load its cuDNN before torch loads another 
 except Exception:  # noqa: BLE001 - te_variants reports why
     pass
 
-from coat_kernels.act import ActivationConfig, CoatLlamaDecoderLayer, CoatRuntime, attention_core  # noqa: E402
-from coat_kernels.act.rope import rope_tables  # noqa: E402
+from coat_hf import convert_to_coat  # noqa: E402
+from coat_kernels.act import ActivationConfig, CoatRuntime  # noqa: E402
+from coat_kernels.act.rope import rope_split, rope_tables  # noqa: E402
 
 OUT = os.environ.get("OUT", "out")
 
@@ -39,78 +40,57 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, h, eps=1e-5):
+class DecoderLayer(nn.Module):
+    """One Hugging Face Llama decoder layer (of a one-layer LlamaModel) fed with its model's rotary embedding:
+    forward(x [b, s, h]) -> [b, s, h]. The cos/sin tables are made once per shape, as a model makes them once per
+    forward for all its layers. A COAT variant is the same module after coat_hf.convert_to_coat: exactly the layer
+    users run."""
+
+    def __init__(self, model):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(h))
-        self.eps = eps
+        self.model = model
+        self._rotary = {}
 
-    def forward(self, x):  # Hugging Face's LlamaRMSNorm
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-class LlamaLayer(nn.Module):
-    """The BF16 reference: Hugging Face's Llama layer math (RMSNorm, rotate-half RoPE, causal SDPA, SwiGLU)."""
-
-    def __init__(self, h, ffn, heads, seq):
-        super().__init__()
-        self.h, self.ffn, self.heads, self.d, self.seq = h, ffn, heads, h // heads, seq
-        self.ln1, self.ln2 = RMSNorm(h), RMSNorm(h)
-        self.qkv = nn.Linear(h, 3 * h, bias=False)
-        self.o = nn.Linear(h, h, bias=False)
-        self.fc1 = nn.Linear(h, 2 * ffn, bias=False)  # [gate | up]
-        self.fc2 = nn.Linear(ffn, h, bias=False)
-        cos, sin = rope_tables(seq, self.d)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+    @property
+    def layer(self):
+        return self.model.layers[0]
 
     def forward(self, x):
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, self.d).unbind(2)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        cos = torch.cat([self.cos, self.cos], -1).to(x.dtype)[None, None]
-        sin = torch.cat([self.sin, self.sin], -1).to(x.dtype)[None, None]
-
-        def rotate_half(t):
-            return torch.cat([-t[..., t.shape[-1] // 2:], t[..., : t.shape[-1] // 2]], -1)
-
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
-        x = x + self.o(o)
-        gate, up = self.fc1(self.ln2(x)).chunk(2, -1)
-        return x + self.fc2(F.silu(gate) * up)
+        key = (x.shape[1], x.dtype, x.device)
+        if key not in self._rotary:
+            positions = torch.arange(x.shape[1], device=x.device)[None]
+            self._rotary[key] = self.model.rotary_emb(x, positions)
+        return self.layer(x, position_embeddings=self._rotary[key])
 
 
-def make_layers(dev, bsz, seq, h, ffn, heads):
-    """(fp32 reference layer, bf16 layer with the same weights), seeded."""
+def make_layers(dev, bsz, seq, h, ffn, heads, kv_heads=None):
+    """(fp32 reference layer, bf16 layer with the same weights), seeded: DecoderLayers of Hugging Face's Llama."""
+    from transformers import LlamaConfig, LlamaModel
+
     torch.manual_seed(0)
-    base = LlamaLayer(h, ffn, heads, seq).to(dev)
+    cfg = LlamaConfig(hidden_size=h, intermediate_size=ffn, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads or heads, num_hidden_layers=1, vocab_size=16,
+                      max_position_embeddings=seq, rms_norm_eps=1e-5, attn_implementation="sdpa")
+    base = DecoderLayer(LlamaModel(cfg)).to(dev)
     with torch.no_grad():
-        for lin in (base.qkv, base.o, base.fc1, base.fc2):
-            lin.weight.normal_(0, 0.02)
-        base.ln1.weight.uniform_(0.8, 1.2)
-        base.ln2.weight.uniform_(0.8, 1.2)
-    layer = LlamaLayer(h, ffn, heads, seq).to(dev).to(torch.bfloat16)
-    layer.load_state_dict({k: v.to(torch.bfloat16) for k, v in base.state_dict().items()})
+        for name, p in base.layer.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+            else:
+                p.uniform_(0.8, 1.2)
+    layer = copy.deepcopy(base).to(torch.bfloat16)
+    layer._rotary = {}
     return base, layer
 
 
-def coat_layer(ref: LlamaLayer, config=None, warm_cache=False):
-    """CoatLlamaDecoderLayer with the BF16 layer's weights. config=None: COAT's defaults with weights quantized every
-    step; warm_cache: weights quantized once and reused (what every micro-batch after the first of a step sees)."""
+def coat_layer(ref: DecoderLayer, config=None, warm_cache=False):
+    """The BF16 layer converted by coat_hf (a copy). config=None: COAT's defaults with weights quantized every step;
+    warm_cache: weights quantized once and reused (what every micro-batch after the first of a step sees)."""
     runtime = CoatRuntime()
     config = config or ActivationConfig(cache_weights=warm_cache)
-    layer = CoatLlamaDecoderLayer(ref.h, ref.ffn, ref.heads, max_seq_len=ref.seq, config=config, runtime=runtime,
-                                  device=ref.qkv.weight.device)
-    with torch.no_grad():
-        layer.layernorm_qkv.layer_norm_weight.copy_(ref.ln1.weight)
-        layer.layernorm_qkv.weight.copy_(ref.qkv.weight)
-        layer.proj.weight.copy_(ref.o.weight)
-        layer.layernorm_mlp.layer_norm_weight.copy_(ref.ln2.weight)
-        layer.layernorm_mlp.fc1_weight.copy_(ref.fc1.weight)
-        layer.layernorm_mlp.fc2_weight.copy_(ref.fc2.weight)
+    layer = copy.deepcopy(ref)
+    layer._rotary = {}
+    convert_to_coat(layer.model, config, runtime=runtime)
     if warm_cache:  # an optimizer that never steps: the clock says the weights stay as they are
         runtime.attach_optimizer(torch.optim.SGD(layer.parameters(), lr=0.0))
     return layer
@@ -118,33 +98,43 @@ def coat_layer(ref: LlamaLayer, config=None, warm_cache=False):
 
 class TeLlamaLayer(nn.Module):
     """TransformerEngine's modules (LayerNormLinear + Linear + LayerNormMLP with SwiGLU, RMSNorm, no biases) around
-    the same RoPE kernel and SDPA; recipe None = BF16. Its own parameters, copied from the BF16 layer."""
+    the same RoPE kernel and SDPA as COAT's layer; recipe None = BF16. Its own parameters, copied from the BF16
+    layer."""
 
-    def __init__(self, ref: LlamaLayer, recipe):
+    def __init__(self, ref: DecoderLayer, recipe):
         super().__init__()
         import transformer_engine.pytorch as te
-        h, ffn = ref.h, ref.ffn
-        self.te, self.recipe, self.r = te, recipe, ref
+        src, cfg = ref.layer, ref.model.config
+        h, ffn = cfg.hidden_size, cfg.intermediate_size
+        self.heads, self.kv_heads, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, src.self_attn.head_dim
+        self.te, self.recipe = te, recipe
         kw = dict(params_dtype=torch.bfloat16, bias=False)
-        self.qkv = te.LayerNormLinear(h, 3 * h, eps=1e-5, normalization="RMSNorm", **kw)
-        self.o = te.Linear(h, h, **kw)
+        qkv_rows = (self.heads + 2 * self.kv_heads) * self.d
+        self.qkv = te.LayerNormLinear(h, qkv_rows, eps=1e-5, normalization="RMSNorm", **kw)
+        self.o = te.Linear(self.heads * self.d, h, **kw)
         self.mlp = te.LayerNormMLP(h, ffn, eps=1e-5, normalization="RMSNorm", activation="swiglu", **kw)
+        attn, mlp = src.self_attn, src.mlp
         with torch.no_grad():
-            self.qkv.layer_norm_weight.copy_(ref.ln1.weight)
-            self.qkv.weight.copy_(ref.qkv.weight)
-            self.o.weight.copy_(ref.o.weight)
-            self.mlp.layer_norm_weight.copy_(ref.ln2.weight)
-            self.mlp.fc1_weight.copy_(ref.fc1.weight)
-            self.mlp.fc2_weight.copy_(ref.fc2.weight)
-        self.attention_config = ActivationConfig()
+            self.qkv.layer_norm_weight.copy_(src.input_layernorm.weight)
+            self.qkv.weight.copy_(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+            self.o.weight.copy_(attn.o_proj.weight)
+            self.mlp.layer_norm_weight.copy_(src.post_attention_layernorm.weight)
+            self.mlp.fc1_weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            self.mlp.fc2_weight.copy_(mlp.down_proj.weight)
+        cos, sin = rope_tables(cfg.max_position_embeddings, self.d, cfg.rope_parameters["rope_theta"],
+                               device=src.mlp.down_proj.weight.device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, x):
         b, s, h = x.shape
-        r = self.r
         with self.te.autocast(enabled=self.recipe is not None, recipe=self.recipe):
             qkv = self.qkv(x.reshape(b * s, h))
-            o, _ = attention_core(qkv, b, s, r.heads, r.heads, r.d, r.cos, r.sin, self.attention_config, None)
-            hsum = x.reshape(b * s, h) + self.o(o)
+            q, k, v = rope_split(qkv, self.cos[:s], self.sin[:s], self.d, self.kv_heads, True)
+            q = q.view(b, s, self.heads, self.d).transpose(1, 2)
+            k, v = (t.view(b, s, self.kv_heads, self.d).transpose(1, 2) for t in (k, v))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+            hsum = x.reshape(b * s, h) + self.o(o.transpose(1, 2).reshape(b * s, self.heads * self.d))
             return (hsum + self.mlp(hsum)).view(b, s, h)
 
 

@@ -68,11 +68,7 @@ def _guard_engine_config(engine_cls) -> None:
     engine_cls._do_optimizer_sanity_check = _do_optimizer_sanity_check
 
 
-def inner_optimizer(engine) -> torch.optim.Optimizer:
-    """The torch optimizer DeepSpeed built from the config (inside any ZeRO/bf16 wrapper)."""
-    return engine.basic_optimizer
-
-
 def optimizer_state_report(engine) -> dict:
-    """This rank's optimizer-state bytes (moments and their metadata) against the numel it steps."""
-    return state_report([inner_optimizer(engine)])
+    """This rank's optimizer-state bytes (moments and their metadata) against the numel it steps, of the torch
+    optimizer DeepSpeed built from the config (inside any ZeRO/bf16 wrapper)."""
+    return state_report([engine.basic_optimizer])

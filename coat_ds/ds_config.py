@@ -4,7 +4,7 @@
     "coat": {"fp8_activations": true, "cache_weights": "auto", "fprop_fast_accum": false, "chunked_loss": true,
              "backend": "auto"}
 
-fp8_activations: convert the model (a Hugging Face Llama-family decoder, coat_ds.hf) before DeepSpeed wraps it.
+fp8_activations: convert the model (a Hugging Face Llama-family decoder, coat_hf) before DeepSpeed wraps it.
 cache_weights: keep both FP8 copies of each weight between optimizer steps ("auto": when gradient accumulation has
 more than one micro-batch per step and ZeRO is below stage 3, where the copies would undo ZeRO-3's partitioning);
 fprop_fast_accum, backend: coat_kernels.act.ActivationConfig; chunked_loss: the LM head + cross-entropy in chunks.

@@ -5,7 +5,7 @@ engines run it through `super().__init__`):
 - before DeepSpeed's own check of the ds_config's optimizer type, a near miss of "CoatFP8AdamW" (a wrong case, a
   typo) fails with the right name instead of DeepSpeed's "is not a supported DeepSpeed Optimizer";
 - the `"coat"` section (coat_ds.ds_config): with `"fp8_activations": true` the model is converted
-  (coat_ds.hf.convert_to_coat) before DeepSpeed wraps and partitions it;
+  (coat_hf.convert_to_coat) before DeepSpeed wraps and partitions it;
 - after the engine is built: under ZeRO-1/2 each parameter is linked to its optimizer (DeepSpeed's
   `_create_optimizer_mapping`, which DeepSpeed itself runs only with CPU offload), for
   coat_ds.full_optimizer_state; the converted model's weight-cache clock ticks after every step of the engine's torch
@@ -46,7 +46,7 @@ def convert_for_section(model, ds_config: dict | None, config_class) -> bool:
     section = parse_section(ds_config)
     if section is None or not section.fp8_activations:
         return False
-    from .hf import convert_to_coat
+    from coat_hf import convert_to_coat
 
     stage = config_class.zero_optimization_stage if config_class is not None else 0
     accumulation = config_class.gradient_accumulation_steps if config_class is not None else 1
@@ -57,7 +57,9 @@ def convert_for_section(model, ds_config: dict | None, config_class) -> bool:
 def finish_engine(engine) -> None:
     """Link a ZeRO-1/2 CoatFP8AdamW's parameters to their optimizer; tie a converted model's runtime to the engine's
     optimizer; ZeRO-3: register the parameters COAT reads."""
-    from .hf import CoatCausalLM, CoatDecoderLayer, coat_runtime
+    from coat_hf import coat_runtime
+    from coat_hf.causal_lm import CoatCausalLM
+    from coat_hf.decoder import CoatDecoderLayer
     from .optimizer import CoatFP8AdamW
 
     wrapper = getattr(engine, "optimizer", None)

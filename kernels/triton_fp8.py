@@ -42,3 +42,14 @@ def to_e5m2(y):
         return round_to_fp8_grid(y, 2, -14, 57344.0).to(tl.float8e5)
     else:
         return y.to(tl.float8e5)
+
+
+def require_triton_device(t, what: str) -> None:
+    """Raise a clear error when `t` is on a device the Triton kernels cannot run on (a CPU tensor without the
+    interpreter): what the user asked for, and what to use instead."""
+    if t.is_cuda or INTERPRET:
+        return
+    raise RuntimeError(f"{what}(backend='triton') runs the Triton kernels, which need CUDA tensors; this tensor is on "
+                       f"{t.device}. On a CPU use backend='auto' (CPU tensors then take the bit-exact CPU path) or "
+                       f"'torch'; to run the Triton kernels themselves on a CPU (slowly, for tests), set "
+                       f"TRITON_INTERPRET=1 before the first import")

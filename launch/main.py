@@ -2,7 +2,7 @@
 one initialisation, on the same batches of the Python standard library's sources and docs (launch/corpus.py):
 
   BF16: bf16 autocast over fp32 master weights, torch.optim.AdamW;
-  COAT: the same model converted with coat_ds.convert_to_coat (everything the decoder layers save for backward is
+  COAT: the same model converted with coat_hf.convert_to_coat (everything the decoder layers save for backward is
         FP8) and CoatFP8AdamW (both moments FP8).
 
 At the end: one table (validation loss and perplexity of both, the relative gap, tokens/s, optimizer-state bytes, bytes
@@ -116,7 +116,8 @@ def make_arm(arm, base, args, device):
     """(model, optimizer) of one arm, the model a copy of `base` on `device`. bf16: torch AdamW; coat_optim:
     CoatFP8AdamW; coat_act: the decoder layers on FP8 activations (convert_to_coat) with torch AdamW; coat: both;
     torchao: torchao's convert_to_float8_training (tensorwise scaling, LM head left in BF16) with torch AdamW."""
-    from coat_ds import ActivationConfig, CoatFP8AdamW, coat_runtime, convert_to_coat
+    from coat_hf import ActivationConfig, coat_runtime, convert_to_coat
+    from coat_kernels.optim import CoatFP8AdamW
 
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; choose from {sorted(ARMS)}")

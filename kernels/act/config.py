@@ -1,8 +1,9 @@
 """The activation half's options: one frozen, validated object given to every FP8 block and module.
 
-backend: "auto" runs the Triton kernels on CUDA tensors and the torch references (same math, same FP8 rounding) on
-CPU tensors; "triton" forces the kernels (CPU tensors then need TRITON_INTERPRET=1: the tests run them so);
-"torch" forces the references (on the GPU too: separates a kernel bug from FP8 rounding).
+backend (coat_kernels.options.BACKENDS): "auto" runs the Triton kernels on CUDA tensors and the torch references
+(same math, same FP8 rounding) on CPU tensors; "triton" forces the kernels (CPU tensors then need the Triton
+interpreter, TRITON_INTERPRET=1: the tests run them so); "torch" forces the references (on the GPU too: separates a
+kernel bug from FP8 rounding).
 fprop_fast_accum: forward FP8 GEMMs with Hopper's fast accumulation (partial sums kept in the tensor core's reduced
 precision, as TransformerEngine's fprop and torchao's tensorwise recipe do). Off: COAT's fp32 accumulation.
 Gradient GEMMs always accumulate in fp32.
@@ -22,7 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-BACKENDS = ("auto", "triton", "torch")
+from ..options import BACKENDS, check_bool, check_choice, from_mapping
+from ..triton_fp8 import require_triton_device
+
 TRANSPOSED_WEIGHTS = ("forward", "backward")
 
 
@@ -34,17 +37,18 @@ class ActivationConfig:
     transposed_weights: str = "forward"
 
     def __post_init__(self):
-        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if not isinstance(self.transposed_weights, str) or self.transposed_weights not in TRANSPOSED_WEIGHTS:
-            raise ValueError(f"transposed_weights must be one of {TRANSPOSED_WEIGHTS}, got {self.transposed_weights!r}")
+        check_choice("backend", self.backend, BACKENDS)
+        check_choice("transposed_weights", self.transposed_weights, TRANSPOSED_WEIGHTS)
         for name in ("fprop_fast_accum", "cache_weights"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
 
     def use_triton(self, t: torch.Tensor) -> bool:
-        """Whether ops on `t` run the Triton kernels."""
-        return self.backend == "triton" or (self.backend == "auto" and t.is_cuda)
+        """Whether ops on `t` run the Triton kernels (backend="triton" on a tensor no Triton backend can run on is an
+        error that says what to use instead)."""
+        if self.backend == "triton":
+            require_triton_device(t, "ActivationConfig")
+            return True
+        return self.backend == "auto" and t.is_cuda
 
     def replace(self, **changes) -> "ActivationConfig":
         return dataclasses.replace(self, **changes)
@@ -52,9 +56,4 @@ class ActivationConfig:
     @classmethod
     def from_options(cls, options=None, **overrides) -> "ActivationConfig":
         """From a mapping of option names (unknown names are an error that lists the valid ones)."""
-        values = {**(options or {}), **overrides}
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(values) - set(names))
-        if unknown:
-            raise ValueError(f"unknown FP8 activation option(s) {unknown}; valid: {', '.join(names)}")
-        return cls(**values)
+        return from_mapping(cls, options, "FP8 activation option(s)", **overrides)

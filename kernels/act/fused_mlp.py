@@ -13,8 +13,8 @@ from ..formats import E4M3, E5M2
 from . import norm as norm_ops
 from . import swiglu
 from .config import ActivationConfig
-from .functional import (_cache, _env, _gradient_amax, _keep_two_weights, _norm_input_grad, _norm_to_fp8,
-                         _out_dtype, _weight_rows, _weight_transposed)
+from .block_parts import (block_env, gradient_amax, keep_two_weights, norm_input_grad, norm_to_fp8, output_dtype,
+                          usable_cache, weight_rows, weight_transposed)
 from .gemm import check_gemm_dims, fp8_gemm
 from .runtime import CoatRuntime
 from .scaling import finalize_scale
@@ -30,17 +30,17 @@ class _Fp8NormMLP(torch.autograd.Function):
         hdim, f2, n = x.shape[-1], fc1.shape[0], w2.shape[0]
         check_gemm_dims(hdim, f2, "fp8_norm_swiglu_mlp fc1")
         check_gemm_dims(f2 // 2, n, "fp8_norm_swiglu_mlp fc2")
-        h, q, e, mean, rstd, y_scale, y8 = _norm_to_fp8(x, residual, norm_weight, norm_bias, kind, eps,
+        h, q, e, mean, rstd, y_scale, y8 = norm_to_fp8(x, residual, norm_weight, norm_bias, kind, eps,
                                                         zero_centered, env)
-        w1_8, w1_scale = _weight_rows(fc1, cache1, env)
-        out_dtype = _out_dtype(x)
+        w1_8, w1_scale = weight_rows(fc1, cache1, env)
+        out_dtype = output_dtype(x)
         a = fp8_gemm(y8, w1_8, y_scale, w1_scale, out_dtype, b1, fast_accum=env.fast_accum)
         del y8
         qa, ea, amax_p, _ = swiglu.swiglu_forward(a, env.use_triton, tickets=env.tickets)
         del a
         p_scale = finalize_scale(amax_p, E4M3, env.use_triton)
         p8, _ = swiglu.swiglu_cast(qa, ea, p_scale, env.use_triton)
-        w2_8, w2_scale = _weight_rows(fc2, cache2, env)
+        w2_8, w2_scale = weight_rows(fc2, cache2, env)
         out = fp8_gemm(p8, w2_8, p_scale, w2_scale, out_dtype, b2, fast_accum=env.fast_accum)
         out = out.reshape(*x.shape[:-1], n)
         ctx.cache1, ctx.cache2, ctx.out_dtype, ctx.zero_centered, ctx.env = cache1, cache2, out_dtype, \
@@ -48,7 +48,7 @@ class _Fp8NormMLP(torch.autograd.Function):
         ctx.has_residual, ctx.shape = residual is not None, x.shape
         ctx.b1_dtype = b1.dtype if b1 is not None else None
         ctx.b2_dtype = b2.dtype if b2 is not None else None
-        kept, ctx.n_fc1_saved = _keep_two_weights(ctx, fc1, cache1, fc2, cache2, env)
+        kept, ctx.n_fc1_saved = keep_two_weights(ctx, fc1, cache1, fc2, cache2, env)
         ctx.save_for_backward(q, e, mean, rstd, norm_weight, norm_bias, y_scale, w1_scale, qa, ea, p_scale, w2_scale,
                               *kept)
         if residual is None:
@@ -70,14 +70,14 @@ class _Fp8NormMLP(torch.autograd.Function):
         # fc2
         dy2 = dout.reshape(-1, fc2_like.shape[0])
         dy8, dy8_t, dy_scale = quantize_tensor(dy2, E5M2, tri, write_row=need_da, write_t=need_dw2,
-                                               amax=_gradient_amax(env, dout), tickets=env.tickets)
+                                               amax=gradient_amax(env, dout), tickets=env.tickets)
         dw2 = db2 = dp = p8_t = amax_da = None
         dw1 = (None,) * len(fc1_like.rows)
         if need_db2 and ctx.b2_dtype is not None:
             db2 = dy2.float().sum(0).to(ctx.b2_dtype)
         dx = dres = dnw = dnb = db1 = None
         if need_da:  # fc2's dgrad first: the SwiGLU backward's amax pass then also writes fc2's wgrad operand p8_t
-            w2_t = _weight_transposed(ctx.cache2, fc2_like, fc2, w2_scale, tri)
+            w2_t = weight_transposed(ctx.cache2, fc2_like, fc2, w2_scale, tri)
             dp = fp8_gemm(dy8, w2_t, dy_scale, w2_scale, ctx.out_dtype)
             del dy8, w2_t
             if ctx.b1_dtype is None:  # d[gate | up] straight to E5M2 (a BF16 copy only if fc1 has a bias)
@@ -108,11 +108,11 @@ class _Fp8NormMLP(torch.autograd.Function):
             dw1 = fc1_like.split(fp8_gemm(da8_t, y8_t, da_scale, y_scale, fc1_like.dtype))
             del y8_t, da8_t
         if need_dx:
-            w1_t = _weight_transposed(ctx.cache1, fc1_like, fc1, w1_scale, tri)
+            w1_t = weight_transposed(ctx.cache1, fc1_like, fc1, w1_scale, tri)
             dyn = fp8_gemm(da8, w1_t, da_scale, w1_scale, ctx.out_dtype)
             del da8, w1_t
             dres_in = dh.reshape(q.shape) if (ctx.has_residual and dh is not None) else None
-            dx, dnw, dnb = _norm_input_grad(ctx, q, e, mean, rstd, norm_weight, norm_bias, dyn, dres_in)
+            dx, dnw, dnb = norm_input_grad(ctx, q, e, mean, rstd, norm_weight, norm_bias, dyn, dres_in)
             dres = dx if ctx.has_residual else None
         return (dx, dres, dnw, dnb, db1, dw2, db2) + (None,) * 6 + dw1
 
@@ -124,5 +124,5 @@ def fp8_norm_swiglu_mlp(x, norm_weight, norm_bias, fc1_weight, fc2_weight, fc1_b
     """fc2(silu(gate) * up), [gate | up] = fc1(norm(h)), h = x (+ residual). Returns y, or (y, h) with a residual
     (h as in fp8_add_norm_linear). fc1_weight may be row blocks, e.g. (gate_proj.weight, up_proj.weight)."""
     return _Fp8NormMLP.apply(x, residual, norm_weight, norm_bias, fc1_bias, fc2_weight, fc2_bias,
-                             _cache(fc1_cache, config, runtime), _cache(fc2_cache, config, runtime), norm, eps,
-                             zero_centered_gamma, _env(x, config, runtime), *as_pieces(fc1_weight).tensors)
+                             usable_cache(fc1_cache, config, runtime), usable_cache(fc2_cache, config, runtime), norm, eps,
+                             zero_centered_gamma, block_env(x, config, runtime), *as_pieces(fc1_weight).tensors)

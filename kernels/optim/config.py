@@ -1,8 +1,8 @@
 """CoatFP8AdamW's COAT options: one frozen, validated object, and the one place their names and defaults live.
 
 `OptimizerConfig` is what keyword arguments, DeepSpeed's ds_config `"params"` and Megatron's `--coat-*` flags map
-onto. Types are strict, because JSON configs and command lines produce look-alikes that would otherwise be
-accepted silently: `"false"` (a string) is not a boolean, `128.0` and `True` are not a group size.
+onto. Types are strict (coat_kernels.options): `"false"` (a string) is not a boolean, `128.0` and `True` are not a
+group size.
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from functools import lru_cache
 from typing import Mapping
 
 from ..formats import FORMATS
+from ..options import BACKENDS, check_bool, check_choice, check_int, check_number, from_mapping
 from .dre_reference import DREConfig
 
 NONFINITE_POLICIES = ("skip_group", "error")
-BACKENDS = ("auto", "triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -39,32 +39,22 @@ class OptimizerConfig:
 
     def __post_init__(self):
         for name in ("exp_avg_format", "exp_avg_sq_format"):
-            _check_choice(name, getattr(self, name), tuple(FORMATS))
+            check_choice(name, getattr(self, name), tuple(FORMATS))
         for name in ("expand_exp_avg", "expand_exp_avg_sq"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool (true/false), got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name), spelled="a bool (true/false)")
         for name in ("group_size", "expand_min"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-            if value < 1:
-                raise ValueError(f"{name} must be positive, got {value}")
-        if isinstance(self.k_max, bool) or not isinstance(self.k_max, (int, float)):
-            raise TypeError(f"k_max must be a number, got {self.k_max!r} ({type(self.k_max).__name__})")
-        if not self.k_max >= 1 or self.k_max == float("inf"):
+            check_int(name, getattr(self, name), minimum=1)
+        k_max = check_number("k_max", self.k_max)
+        if not k_max >= 1 or k_max == float("inf"):
             raise ValueError(f"k_max must be finite and >= 1, got {self.k_max}")
-        object.__setattr__(self, "k_max", float(self.k_max))
-        _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
-        _check_choice("backend", self.backend, BACKENDS)
+        object.__setattr__(self, "k_max", k_max)
+        check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        check_choice("backend", self.backend, BACKENDS)
 
     @classmethod
     def from_options(cls, options: Mapping | None = None, **overrides) -> "OptimizerConfig":
         """From a mapping of option names (unknown names are an error that lists the valid ones)."""
-        values = {**(options or {}), **overrides}
-        unknown = sorted(set(values) - set(OPTION_NAMES))
-        if unknown:
-            raise ValueError(f"unknown COAT optimizer option(s) {unknown}; valid: {', '.join(OPTION_NAMES)}")
-        return cls(**values)
+        return from_mapping(cls, options, "COAT optimizer option(s)", **overrides)
 
     def replace(self, **changes) -> "OptimizerConfig":
         return dataclasses.replace(self, **changes)
@@ -78,11 +68,6 @@ class OptimizerConfig:
         """The quantizers of exp_avg and exp_avg_sq (a nonzero second moment never rounds to code 0)."""
         return _moment_configs(self.exp_avg_format, self.expand_exp_avg, self.exp_avg_sq_format,
                                self.expand_exp_avg_sq, self.expand_min, self.k_max)
-
-
-def _check_choice(name, value, choices):
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(OptimizerConfig))

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from coat_ds.engine_hooks import check_optimizer_type
+from rank_helpers import JOBS
 
 ROOT = Path(__file__).resolve().parents[2]
 PTH = ROOT / "coat_ds" / "coat_fp8_autoregister.pth"

@@ -1,13 +1,14 @@
 """The activation kernels on the GPU against their torch references (run on the same GPU), at a Llama-like shape:
 1x16 group quantization bit-exact; elsewhere FP8 codes may differ in at most 1e-3 of the elements (fp32 math in a different order, e.g. exp), values, statistics
 and partial amaxes within 1e-3 relative; scales reduced inside the producing launch equal a separate reduction; the
-COAT Llama layer against an fp32 layer; a CUDA-graph capture of the layer replays the eager gradients."""
+COAT Llama layer (Hugging Face's, converted by coat_hf) on the kernels against the same layer on the references; a CUDA-graph capture of the layer replays the eager gradients."""
 import math
 
 import pytest
 import torch
 
-from coat_kernels.act import ActivationConfig, CoatLlamaDecoderLayer, CoatRuntime
+from coat_hf import convert_to_coat
+from coat_kernels.act import ActivationConfig, CoatRuntime
 from coat_kernels.act import group_quant as GQ
 from coat_kernels.act import norm as N
 from coat_kernels.act import pointwise as P
@@ -134,15 +135,32 @@ def test_scale_reduced_in_the_launch_equals_a_separate_reduction(inputs):
     assert mismatches == 0
 
 
+class _Layer(torch.nn.Module):
+    """Layer 0 of a one-layer Hugging Face Llama converted by coat_hf, fed with its model's rotary embedding."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.layer = model.layers[0]
+        positions = torch.arange(512, device="cuda")[None]
+        self.rotary = model.rotary_emb(torch.zeros(1, device="cuda", dtype=torch.bfloat16), positions)
+
+    def forward(self, x):
+        return self.layer(x, position_embeddings=self.rotary)
+
+
 def _layer(config, runtime=None):
+    from transformers import LlamaConfig, LlamaModel
+
     torch.manual_seed(0)
-    layer = CoatLlamaDecoderLayer(1024, 2816, 8, 8, max_seq_len=512, config=config, runtime=runtime or CoatRuntime(),
-                                  device="cuda")
+    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=8,
+                      num_hidden_layers=1, vocab_size=16, max_position_embeddings=512, rms_norm_eps=1e-5)
+    model = LlamaModel(cfg).to("cuda", torch.bfloat16)
     with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if not name.endswith("layer_norm_weight"):
+        for p in model.layers.parameters():
+            if p.dim() == 2:
                 p.normal_(0, 0.02)
-    return layer
+    convert_to_coat(model, config, runtime=runtime or CoatRuntime())
+    return _Layer(model)
 
 
 def test_llama_layer_kernels_match_the_layer_on_torch_references():

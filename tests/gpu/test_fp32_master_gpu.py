@@ -54,7 +54,7 @@ def test_hf_llama_with_fp32_master_weights_trains_like_the_reference():
     are as close to the unquantized model's as the torch reference path's (both carry FP8 noise; a bug shows as a
     multiple of it)."""
     transformers = pytest.importorskip("transformers")
-    from coat_ds import convert_to_coat
+    from coat_hf import convert_to_coat
 
     cfg = transformers.LlamaConfig(vocab_size=2048, hidden_size=512, intermediate_size=1408, num_hidden_layers=2,
                                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,

@@ -1,7 +1,7 @@
-"""COAT for Hugging Face decoders (coat_ds.convert_to_coat and the ds_config "coat" section), on tiny models:
-loss and gradients against the unconverted BF16 model, what is saved for backward, unchanged parameter names and
-checkpoints, idempotence, generation, gradient checkpointing, the chunked LM loss, bad input, and DeepSpeed ZeRO-2 /
-ZeRO-3 and the Trainer driven by the ds_config alone."""
+"""COAT for Hugging Face decoders (coat_hf.convert_to_coat, and the ds_config "coat" section through coat_ds), on tiny
+models: one decoder layer against the fp32 layer, loss and gradients against the unconverted BF16 model, what is
+saved for backward, unchanged parameter names and checkpoints, idempotence, generation, gradient checkpointing, the
+chunked LM loss, bad input, and DeepSpeed ZeRO-2 / ZeRO-3 and the Trainer driven by the ds_config alone."""
 import copy
 import json
 import os
@@ -15,7 +15,8 @@ import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from coat_ds import ActivationConfig, coat_runtime, convert_to_coat
+import coat_hf
+from coat_hf import ActivationConfig, coat_runtime, convert_to_coat
 from coat_ds.ds_config import parse_section
 from rank_helpers import JOBS, free_port
 
@@ -30,8 +31,9 @@ LOSS_REL, GRAD_REL = 0.01, 0.3
 def tiny(family, **extra):
     cls, cfg_cls, kw = FAMILIES[family]
     torch.manual_seed(0)
-    cfg = cfg_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=2 * SEQ, **kw, **extra)
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=2 * SEQ)
+    cfg = cfg_cls(**{**shape, **kw, **extra})
     return cls(cfg).bfloat16()
 
 
@@ -49,6 +51,32 @@ def loss_and_grads(model, ids):
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     return loss.item(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_decoder_layer_matches_the_fp32_layer(backend, kv_heads):
+    """One converted decoder layer against the same Hugging Face layer in fp32 (outputs and gradients within the FP8
+    blocks' error bounds); every parameter gets a finite gradient."""
+    ref = tiny("llama", num_key_value_heads=kv_heads).float()
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.8, 1.2)  # norm weights away from one
+    model = convert_to_coat(copy.deepcopy(ref).bfloat16(), ActivationConfig(backend=backend))
+    x, dy = torch.randn(2, 24, 64), torch.randn(2, 24, 64)
+    positions = torch.arange(24)[None]
+    xr = x.clone().requires_grad_()
+    out_ref = ref.model.layers[0](xr, position_embeddings=ref.model.rotary_emb(xr, positions))
+    out_ref.backward(dy)
+    xb = x.bfloat16().requires_grad_()
+    layer = model.model.layers[0]
+    out = layer(xb, position_embeddings=model.model.rotary_emb(xb, positions))
+    out.backward(dy.bfloat16())
+    assert out.dtype == torch.bfloat16 and rel(out, out_ref) < 0.05
+    assert rel(xb.grad, xr.grad) < 0.12
+    for name, prm in layer.named_parameters():
+        assert prm.grad is not None and torch.isfinite(prm.grad.float()).all(), name
 
 
 @pytest.mark.parametrize("family,backend", [("llama", "torch"), ("llama", "triton"), ("mistral", "torch"),
@@ -134,11 +162,14 @@ def test_gradient_checkpointing_and_the_chunked_loss():
 
 def test_unsupported_models_and_bad_sections_fail_clearly():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(ValueError, match="supports Hugging Face Llama-family decoders"):
+    with pytest.raises(ValueError, match="supports Hugging Face decoders with model_type llama"):
         convert_to_coat(gpt2)
-    odd = tiny("llama", hidden_act="gelu")
-    convert_to_coat(odd)  # layers it cannot run stay as they are (listed in the log line)
-    assert type(odd.model.layers[0]) is not type(convert_to_coat(tiny("llama")).model.layers[0])
+    with pytest.raises(ValueError, match=r"no decoder layer .*activation gelu"):
+        convert_to_coat(tiny("llama", hidden_act="gelu"))  # nothing to convert: an error, not a BF16 model
+    odd = tiny("llama", hidden_size=72, num_attention_heads=4, num_key_value_heads=2, head_dim=18)
+    with pytest.raises(ValueError, match="not multiples of 16"):
+        convert_to_coat(odd)
+    assert not hasattr(odd, "coat_runtime") and type(odd.model.layers[0]).__name__ == "LlamaDecoderLayer"
     with pytest.raises(ValueError, match="valid: fp8_activations"):
         parse_section({"coat": {"fp8_activation": True}})
     with pytest.raises(TypeError, match="true or false"):
@@ -149,6 +180,29 @@ def test_unsupported_models_and_bad_sections_fail_clearly():
     section = parse_section({"coat": {"fp8_activations": True}})
     assert section.activation_config(2, 4).cache_weights and not section.activation_config(3, 4).cache_weights
     assert not section.activation_config(2, 1).cache_weights
+
+
+def test_config_is_an_activation_config_or_a_strict_mapping():
+    model = convert_to_coat(tiny("llama"), {"backend": "torch", "cache_weights": False})
+    assert model.model.layers[0].coat.config == ActivationConfig(backend="torch", cache_weights=False)
+    with pytest.raises(ValueError, match="unknown FP8 activation option"):
+        convert_to_coat(tiny("llama"), {"backend": "torch", "fp8": True})
+    with pytest.raises(TypeError, match="cache_weights must be a bool"):
+        convert_to_coat(tiny("llama"), {"cache_weights": "no"})
+    with pytest.raises(TypeError, match="ActivationConfig or a mapping"):
+        convert_to_coat(tiny("llama"), "torch")
+    with pytest.raises(TypeError, match="chunked_loss must be True or False"):
+        convert_to_coat(tiny("llama"), chunked_loss="no")
+
+
+def test_coat_hf_imports_no_engine_and_coat_ds_reexports_it():
+    code = ("import sys, coat_hf\n"
+            "print(sorted(m for m in ('deepspeed', 'megatron', 'coat_ds', 'coat_megatron') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+    import coat_ds
+
+    assert coat_ds.convert_to_coat is coat_hf.convert_to_coat and coat_ds.coat_runtime is coat_hf.coat_runtime
 
 
 def test_deepspeed_zero2_and_zero3_from_the_ds_config_alone():

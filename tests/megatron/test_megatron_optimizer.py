@@ -184,14 +184,13 @@ def test_megatron_training_parses_coat_optimizer(monkeypatch):
         from megatron.training import arguments, training
     except ImportError as exc:
         pytest.skip(f"megatron.training is not importable here (it ships from megatron-core 0.17 on): {exc}")
-    from coat_megatron.arguments import install_coat_args
-    from coat_megatron.pretrain_gpt import _install_coat_optimizer
+    from coat_megatron import enable_coat
 
     monkeypatch.setattr(arguments, "add_megatron_arguments", arguments.add_megatron_arguments)  # restored after
     monkeypatch.setattr(training, "get_megatron_optimizer", training.get_megatron_optimizer)
-    install_coat_args()
-    _install_coat_optimizer()
-    assert training.get_megatron_optimizer.installs_coat_optimizer
+    handle = enable_coat()
+    assert enable_coat() is handle  # idempotent
+    assert training.get_megatron_optimizer.coat_handle is handle
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt", "--use-distributed-optimizer", "--coat-optimizer",
                                       "--coat-exp-avg-sq-format", "e5m2"])
     args = arguments.parse_args(ignore_unknown_args=True)

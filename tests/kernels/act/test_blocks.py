@@ -486,3 +486,17 @@ def test_activation_config_is_strict():
         ActivationConfig(cache_weights="false")
     with pytest.raises(ValueError, match="valid: backend, fprop_fast_accum, cache_weights"):
         ActivationConfig.from_options({"fp8_activations": True})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a CPU-only machine gives")
+def test_triton_backend_on_a_cpu_says_what_to_use_instead():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom coat_kernels.act import ActivationConfig, fp8_linear\n"
+            "fp8_linear(torch.randn(16, 32), torch.randn(16, 32), config=ActivationConfig(backend='triton'))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0
+    assert "backend='auto'" in proc.stderr and "TRITON_INTERPRET=1" in proc.stderr, proc.stderr[-2000:]

@@ -1,0 +1,97 @@
+"""The decoder layer on COAT's FP8 blocks: one composition for every family, run by converted models and by the
+benchmarks alike.
+
+    h = x + o_proj(attention(rotary(qkv(norm1(x)))));  y = h + down(silu(gate) * up)(norm2(h))
+
+- norm1 + q/k/v projections: one FP8 GEMM over the three weights (`fp8_norm_linear` with weight pieces, residual_out:
+  x's two gradients meet inside the norm backward);
+- attention core in BF16: the family's rotary step (Llama: RoPE fused with the q/k/v split), causal scaled-dot-product
+  attention with grouped-query attention, Hugging Face's mask when it passes one (padding, sliding windows), the KV
+  cache updated when one is passed (generation's prefill);
+- o_proj: `fp8_linear` reusing the attention output that the attention kernel keeps;
+- residual add + norm2 + gate/up + SwiGLU + down: one `fp8_norm_swiglu_mlp` node.
+Generation steps that extend a KV cache (one new token at a time) run the layer's original BF16 forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from coat_kernels.act import ActivationConfig, CoatRuntime, fp8_linear, fp8_norm_linear, fp8_norm_swiglu_mlp
+from coat_kernels.act.weights import WeightCache
+
+from .causal_lm import kv_cache_of
+from .families import Family
+
+
+@dataclass
+class LayerState:
+    """What a converted decoder layer holds besides its modules: its family, config, the model's runtime and the
+    FP8 weight caches of its four GEMMs."""
+    family: Family
+    config: ActivationConfig
+    runtime: CoatRuntime
+    qkv_cache: WeightCache
+    o_cache: WeightCache
+    fc1_cache: WeightCache
+    fc2_cache: WeightCache
+
+    @classmethod
+    def new(cls, family: Family, config: ActivationConfig, runtime: CoatRuntime) -> "LayerState":
+        return cls(family, config, runtime, *(runtime.new_weight_cache() for _ in range(4)))
+
+
+class CoatDecoderLayer:
+    """Mix-in placed before a Hugging Face decoder layer class: the COAT forward (see the module docstring)."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, position_embeddings=None, **kwargs):
+        kv_cache = kv_cache_of(kwargs)
+        extends_cache = kv_cache is not None and kv_cache.get_seq_length(self.self_attn.layer_idx) > 0
+        if position_embeddings is None or extends_cache:
+            return super().forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                   position_embeddings=position_embeddings, **kwargs)
+        return decoder_layer(self, self.coat, hidden_states, position_embeddings, attention_mask, kv_cache)
+
+
+def decoder_layer(layer, state: LayerState, x, position_embeddings, mask=None, kv_cache=None):
+    """One decoder layer of x [b, s, h] on the FP8 blocks (see the module docstring) -> [b, s, h]."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+    kw = dict(config=state.config, runtime=state.runtime)
+    offset = state.family.norm_offset
+    b, s, h = x.shape
+    qkv_bias = None
+    if attn.q_proj.bias is not None:
+        qkv_bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+    qkv, residual = fp8_norm_linear(x.reshape(b * s, h), norm1.weight, None,
+                                    (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight), qkv_bias,
+                                    eps=norm1.variance_epsilon, zero_centered_gamma=offset, residual_out=True,
+                                    weight_cache=state.qkv_cache, **kw)
+    o, kept = attention(attn, qkv, b, s, position_embeddings, mask, kv_cache, state)
+    a = fp8_linear(o, attn.o_proj.weight, attn.o_proj.bias, reuse_input=kept, weight_cache=state.o_cache, **kw)
+    y, hsum = fp8_norm_swiglu_mlp(a, norm2.weight, None, (mlp.gate_proj.weight, mlp.up_proj.weight),
+                                  mlp.down_proj.weight, fc2_bias=mlp.down_proj.bias, residual=residual,
+                                  eps=norm2.variance_epsilon, zero_centered_gamma=offset,
+                                  fc1_cache=state.fc1_cache, fc2_cache=state.fc2_cache, **kw)
+    return (hsum + y).view(b, s, h)
+
+
+def attention(attn, qkv, b, s, position_embeddings, mask, kv_cache, state: LayerState):
+    """The BF16 attention core of qkv [b*s, (hq + 2 hkv) d] -> (o [b*s, hq d], whether o is the attention kernel's
+    own output tensor, which it keeps for its backward)."""
+    cfg = attn.config
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    q, k, v = state.family.rotary(attn, qkv, b, s, position_embeddings, state)
+    if kv_cache is not None:
+        k, v = kv_cache.update(k, v, attn.layer_idx)
+    dropout = attn.attention_dropout if attn.training else 0.0
+    if mask is None:
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=attn.scaling,
+                                           enable_gqa=hkv != hq)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, :, :, : k.shape[-2]], dropout_p=dropout,
+                                           scale=attn.scaling, enable_gqa=hkv != hq)
+    o = o.transpose(1, 2)
+    return o.reshape(b * s, hq * q.shape[-1]), o.is_contiguous()

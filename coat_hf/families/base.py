@@ -1,0 +1,40 @@
+"""`Family`: what the shared decoder-layer composition (coat_hf.decoder) needs to know about one model family.
+
+The composition is the same for every family:
+
+    h = x + o_proj(attention(rotary(qkv(norm1(x)))));  y = h + down(act(gate) * up)(norm2(h))
+
+A family says how its layer's q/k/v become rotated attention inputs (`rotary`), which of its layers the FP8 blocks
+cannot run (`unsupported`), and how its norms apply their weight (`norm_offset`: weight + 1, Gemma-style).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+# rotary(attn, qkv [b*s, (hq + 2 hkv) d], b, s, (cos, sin), state) -> q [b, hq, s, d], k and v [b, hkv, s, d]
+Rotary = Callable[..., tuple]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    rotary: Rotary
+    norm_offset: bool = False
+    extra_check: Optional[Callable[[torch.nn.Module], Optional[str]]] = None
+
+    def unsupported(self, layer: torch.nn.Module) -> str | None:
+        """Why `layer` cannot run on COAT's FP8 blocks (None: it can)."""
+        attn, mlp = layer.self_attn, layer.mlp
+        cfg = attn.config
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            return f"activation {cfg.hidden_act}; the FP8 MLP block is SwiGLU"
+        if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj")):
+            return "MLP biases on gate/up"
+        widths = (cfg.hidden_size, cfg.intermediate_size, attn.head_dim * cfg.num_attention_heads,
+                  attn.head_dim * cfg.num_key_value_heads)
+        if any(w % 16 for w in widths) or attn.head_dim % 2:
+            return f"widths {widths} not multiples of 16"
+        return self.extra_check(layer) if self.extra_check else None
