@@ -6,10 +6,11 @@ Arms (each is `launch/train_ds.py` with a ds_config and, for the peers, one flag
   bf16_compile  the same, each decoder layer under torch.compile  + --compile-layers
   coat_optim    "type": "CoatFP8AdamW" (optimizer half only)      configs/ds_zero2_coat.json
   coat          CoatFP8AdamW + "coat": {"fp8_activations": true}  configs/ds_zero2_coat_full.json
+  coat_graphs   coat + "cuda_graphs": true (per-layer CUDA graphs) configs/ds_zero2_coat_graphs.json
   torchao       torchao float8 tensorwise + compile + AdamW       configs/ds_zero2_adamw_bf16.json + --torchao-float8
 
-    python benchmarks/hf_deepspeed_compare.py [--model tinyllama-1b] [--micro-batch 8] [--steps 30]
-        [--curve-steps 200] [--curve-arms bf16,coat] [--arms ...] [--max-batch] [--out DIR]
+    python benchmarks/hf_deepspeed_compare.py [--model tinyllama-1b] [--micro-batch 8 | --micro-batches 1,2,4,8]
+        [--steps 30] [--curve-steps 200] [--curve-arms bf16,coat] [--arms ...] [--max-batch] [--out DIR]
         [--gpus N] [--zero-stage 2|3]
 
 --gpus N runs each arm on N ranks (data parallel, micro-batch per rank, so the global batch is N x micro-batch);
@@ -17,6 +18,8 @@ Arms (each is `launch/train_ds.py` with a ds_config and, for the peers, one flag
 
 Largest micro-batch: the first run's breakdown gives the memory held between steps and what a step adds per
 sequence; the predicted largest batch is run for a few steps, and on out-of-memory 10% smaller, until one fits.
+Columns: tokens/s, its ratio to bf16 at the same micro-batch, the median step, the host time until forward and
+backward are issued (close to the step time when the host is the bottleneck), peak memory and its breakdown.
 Writes DIR/results.json, DIR/results.md, DIR/loss.png (matplotlib) and one log + CSV per run.
 """
 from __future__ import annotations
@@ -34,6 +37,7 @@ ARMS = {
     "bf16_compile": ("configs/ds_zero2_adamw_bf16.json", ["--compile-layers"]),
     "coat_optim": ("configs/ds_zero2_coat.json", []),
     "coat": ("configs/ds_zero2_coat_full.json", []),
+    "coat_graphs": ("configs/ds_zero2_coat_graphs.json", []),
     "torchao": ("configs/ds_zero2_adamw_bf16.json", ["--torchao-float8"]),
 }
 
@@ -93,17 +97,22 @@ def largest_batch(arm, first, args, port):
 
 
 def table(rows, base):
-    lines = ["| arm | micro-batch | tokens/s | x bf16 | peak GiB | weights | optimizer state | master + grad "
-             "buffers | step transient | final loss |", "|---|---|---|---|---|---|---|---|---|---|"]
+    """Markdown table; `base`: bf16's tokens/s per micro-batch (the "x bf16" column compares at the same one)."""
+    lines = ["| arm | micro-batch | tokens/s | x bf16 | step ms | fwd+bwd host ms | peak GiB | weights | optimizer "
+             "state | master + grad buffers | step transient | final loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['arm']} | {r['micro_batch']} | {r['error']} | | | | | | | |")
+            lines.append(f"| {r['arm']} | {r['micro_batch']} | {r['error']} |" + " |" * 9)
             continue
         b = r.get("memory_breakdown_gib") or {}
-        speed = r["tokens_per_s"] / base if base else float("nan")
+        ref = base.get(r["micro_batch"])
+        speed = f"{r['tokens_per_s'] / ref:.2f}" if ref else ""
         cells = [f"{b[k]:.2f}" if k in b else "" for k in ("weights", "optimizer_state", "master_and_grad_buffers",
                                                             "step_transient")]
-        lines.append(f"| {r['arm']} | {r['micro_batch']} | {r['tokens_per_s']:,.0f} | {speed:.2f} | "
+        host = r.get("median_fwd_bwd_host_ms")
+        lines.append(f"| {r['arm']} | {r['micro_batch']} | {r['tokens_per_s']:,.0f} | {speed} | "
+                     f"{r['median_step_ms']:.1f} | {'' if host is None else f'{host:.1f}'} | "
                      f"{max(r['peak_memory_gib']):.2f} | " + " | ".join(cells) + f" | {r['final_loss']:.4f} |")
     return "\n".join(lines)
 
@@ -137,6 +146,8 @@ def main(argv=None):
     p.add_argument("--model", default="tinyllama-1b")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--micro-batches", default=None,
+                   help="a sweep, e.g. 1,2,4,8: every arm at each (replaces --micro-batch; no loss curves)")
     p.add_argument("--steps", type=int, default=30, help="steps of the arms without a loss curve")
     p.add_argument("--curve-steps", type=int, default=200)
     p.add_argument("--curve-arms", default="bf16,coat")
@@ -166,6 +177,12 @@ def main(argv=None):
     if args.max_batch_from:
         rows = [r for r in json.load(open(args.max_batch_from)) if r.get("arm") in arms and "error" not in r]
         args.max_batch = True
+    elif args.micro_batches:
+        port = 29600
+        for micro in (int(m) for m in args.micro_batches.split(",")):
+            for arm in arms:
+                port += 1
+                rows.append(run_arm(arm, args, micro, args.steps, "sweep", port))
     else:
         for i, arm in enumerate(arms):
             steps = args.curve_steps if arm in curve_arms else args.steps
@@ -176,8 +193,7 @@ def main(argv=None):
                 result = largest_batch(first["arm"], first, args, 29650 + i)
                 if result is not None:
                     rows.append(result)
-    base = next((r["tokens_per_s"] for r in rows if r.get("arm") == "bf16" and "error" not in r
-                 and r["micro_batch"] == args.micro_batch), None)
+    base = {r["micro_batch"]: r["tokens_per_s"] for r in rows if r.get("arm") == "bf16" and "error" not in r}
     md = table(rows, base)
     best = {}
     for r in rows:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import os
 import pstats
 import sys
 import time
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import layer_common as lc  # noqa: E402
@@ -127,6 +127,9 @@ def variants(args, ref):
     out = []
     if "coat" in args.variants:
         out.append(("COAT (weights quantized every forward)", lc.coat_layer(ref)))
+    if "coat_graphs" in args.variants:
+        out.append(("COAT + per-layer CUDA graphs (cuda_graphs=True)",
+                    lc.coat_layer(ref, ActivationConfig(cache_weights=False, cuda_graphs=True))))
     if "coat_cached" in args.variants:
         out.append(("COAT, warm weight cache (micro-batch >= 2 of a step)", lc.coat_layer(ref, warm_cache=True)))
     if "bf16" in args.variants:
@@ -151,7 +154,8 @@ def main():
     p.add_argument("--ffn", type=int, default=5632)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--variants", default="coat,coat_cached,bf16,te")
+    p.add_argument("--variants", default="coat,coat_graphs,coat_cached,bf16,te")
+    p.add_argument("--pieces", action="store_true", help="also the host cost of single calls (_scaled_mm, a launch)")
     p.add_argument("--cprofile", action="store_true")
     args = p.parse_args()
     lc.log(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  shape: batch {args.batch} x seq "
@@ -178,7 +182,47 @@ def main():
             lc.log(python_profile(layer, x, dy, params), name="host_cprofile.log")
         del layer
         torch.cuda.empty_cache()
+    if args.pieces:
+        rows.append(dict(pieces=piece_costs()))
     lc.save_json(dict(args=vars(args), rows=rows), "layer_host_time.json")
+
+
+def per_call_us(fn, n=300):
+    for _ in range(3):  # first calls: compilation, cuBLAS heuristics and workspace (may synchronise)
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(BUSY_CYCLES)
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def piece_costs():
+    """Host us per call of the pieces a COAT layer step is made of, in a tight loop with the GPU busy."""
+    from coat_kernels.act import tensor_quant as TQ
+
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(5632, 2048, device="cuda", dtype=torch.bfloat16)
+    scale = TQ.tensor_scale(a, "e4m3", True)
+    a8, w8 = TQ.cast(a, scale, "e4m3", True)[0], TQ.cast(w, scale, "e4m3", True)[0]
+    grid = (triton.cdiv(2048, TQ.CAST_BM), triton.cdiv(2048, TQ.CAST_BN))
+    q = torch.empty_like(a8)
+    kw = dict(WRITE_ROW=True, WRITE_T=False, E5M2_OUT=False, BM=TQ.CAST_BM, BN=TQ.CAST_BN, num_warps=TQ.CAST_WARPS)
+    costs = {
+        "torch.empty [2048, 2048] fp8": lambda: torch.empty(2048, 2048, device="cuda", dtype=torch.float8_e4m3fn),
+        "torch._scaled_mm [2048,2048]x[2048,5632]": lambda: torch._scaled_mm(
+            a8, w8.t(), scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16),
+        "torch.matmul bf16 [2048,2048]x[2048,5632]": lambda: a @ w.t(),
+        "cast kernel launch": lambda: TQ._cast_kernel[grid](a, scale, q, None, 2048, 2048, 2048, **kw),
+        "TQ.cast (allocation + launch)": lambda: TQ.cast(a, scale, "e4m3", True),
+    }
+    out = {k: per_call_us(f) for k, f in costs.items()}
+    for k, v in out.items():
+        lc.log(f"  host us per call: {k:45s} {v:7.1f}", name="host.log")
+    return out
 
 
 if __name__ == "__main__":

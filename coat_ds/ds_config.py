@@ -2,12 +2,14 @@
 
     "coat": {"fp8_activations": true}
     "coat": {"fp8_activations": true, "cache_weights": "auto", "fprop_fast_accum": false, "chunked_loss": true,
-             "backend": "auto"}
+             "backend": "auto", "cuda_graphs": false}
 
 fp8_activations: convert the model (a Hugging Face Llama-family decoder, coat_hf) before DeepSpeed wraps it.
 cache_weights: keep both FP8 copies of each weight between optimizer steps ("auto": when gradient accumulation has
 more than one micro-batch per step and ZeRO is below stage 3, where the copies would undo ZeRO-3's partitioning);
-fprop_fast_accum, backend: coat_kernels.act.ActivationConfig; chunked_loss: the LM head + cross-entropy in chunks.
+fprop_fast_accum, backend, cuda_graphs: coat_kernels.act.ActivationConfig (cuda_graphs: each decoder layer's forward
+and backward replayed as CUDA graphs, for ZeRO-0/1/2; under ZeRO-3 the layers run eagerly); chunked_loss: the LM head
++ cross-entropy in chunks.
 Unknown keys and wrong types are errors naming the valid ones.
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from coat_kernels.act import ActivationConfig
 
 SECTION = "coat"
-KEYS = ("fp8_activations", "cache_weights", "fprop_fast_accum", "chunked_loss", "backend")
+KEYS = ("fp8_activations", "cache_weights", "fprop_fast_accum", "chunked_loss", "backend", "cuda_graphs")
 
 
 @dataclass(frozen=True)
@@ -27,9 +29,10 @@ class CoatSection:
     fprop_fast_accum: bool = False
     chunked_loss: bool = True
     backend: str = "auto"
+    cuda_graphs: bool = False
 
     def __post_init__(self):
-        for name in ("fp8_activations", "fprop_fast_accum", "chunked_loss"):
+        for name in ("fp8_activations", "fprop_fast_accum", "chunked_loss", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f'ds_config "coat": {name} must be true or false, got {getattr(self, name)!r}')
         if self.cache_weights != "auto" and not isinstance(self.cache_weights, bool):
@@ -41,7 +44,8 @@ class CoatSection:
         cache = self.cache_weights
         if cache == "auto":
             cache = gradient_accumulation_steps > 1 and zero_stage < 3
-        return ActivationConfig(backend=self.backend, fprop_fast_accum=self.fprop_fast_accum, cache_weights=cache)
+        return ActivationConfig(backend=self.backend, fprop_fast_accum=self.fprop_fast_accum, cache_weights=cache,
+                                cuda_graphs=self.cuda_graphs)
 
 
 def parse_section(ds_config: dict | None) -> CoatSection | None:

@@ -29,7 +29,8 @@ def cache_field(output_class) -> str:
 
 class CoatCausalLM:
     """Mix-in placed before a Hugging Face *ForCausalLM class: in training with labels, the LM head and the
-    cross-entropy run in chunks of tokens (coat_kernels.act.lm_loss) and the output's logits are None."""
+    cross-entropy run in chunks of tokens (coat_kernels.act.lm_loss) and the output's logits are None; no KV cache
+    is made there unless `use_cache=True` is passed (a training step reads none)."""
 
     coat_loss_chunk_tokens = DEFAULT_CHUNK_TOKENS
 
@@ -40,6 +41,7 @@ class CoatCausalLM:
 
         num_items = kwargs.pop("num_items_in_batch", None)
         kwargs.pop("logits_to_keep", None)  # no logits are made in training
+        kwargs.setdefault("use_cache", False)
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]  # the label of position t is token t + 1
         loss = chunked_lm_loss(outputs.last_hidden_state, self.lm_head.weight, shifted, num_items=num_items,

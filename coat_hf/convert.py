@@ -65,7 +65,7 @@ def convert_to_coat(model: torch.nn.Module, config: ActivationConfig | Mapping |
             skipped.append(f"{name} ({problem})")
             continue
         if isinstance(module, CoatDecoderLayer):
-            module.coat.config = config
+            module.coat.config, module.coat.graphs = config, None
         else:
             module.__class__ = _coat_class(type(module), CoatDecoderLayer)
             module.coat = LayerState.new(family, config, runtime)

@@ -11,15 +11,19 @@ benchmarks alike.
 - o_proj: `fp8_linear` reusing the attention output that the attention kernel keeps;
 - residual add + norm2 + gate/up + SwiGLU + down: one `fp8_norm_swiglu_mlp` node.
 Generation steps that extend a KV cache (one new token at a time) run the layer's original BF16 forward.
+With `ActivationConfig(cuda_graphs=True)` a training step's layer forward and backward replay CUDA graphs captured
+per input shape (coat_kernels.act.layer_graphs) where the call allows it (`graphable`); other calls run eagerly.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from coat_kernels.act import ActivationConfig, CoatRuntime, fp8_linear, fp8_norm_linear, fp8_norm_swiglu_mlp
+from coat_kernels.act.layer_graphs import GraphedLayer
 from coat_kernels.act.weights import WeightCache
 
 from .causal_lm import kv_cache_of
@@ -37,10 +41,26 @@ class LayerState:
     o_cache: WeightCache
     fc1_cache: WeightCache
     fc2_cache: WeightCache
+    graphs: GraphedLayer | None = None  # made at the first graphed call
 
     @classmethod
     def new(cls, family: Family, config: ActivationConfig, runtime: CoatRuntime) -> "LayerState":
         return cls(family, config, runtime, *(runtime.new_weight_cache() for _ in range(4)))
+
+    def __getstate__(self):
+        """Copies and pickles leave the CUDA graphs behind (a copy captures its own)."""
+        return {**self.__dict__, "graphs": None}
+
+    def graphed(self, layer) -> GraphedLayer:
+        """This layer's GraphedLayer: x, cos, sin, mask -> the layer's output, weights quantized in every graph."""
+        if self.graphs is None:
+            inner = dataclasses.replace(self, config=self.config.replace(cache_weights=False))
+
+            def forward(x, cos, sin, mask):
+                return decoder_layer(layer, inner, x, (cos, sin), mask)
+
+            self.graphs = GraphedLayer(forward, layer, pool=self.runtime.graph_pool)
+        return self.graphs
 
 
 class CoatDecoderLayer:
@@ -52,7 +72,22 @@ class CoatDecoderLayer:
         if position_embeddings is None or extends_cache:
             return super().forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                    position_embeddings=position_embeddings, **kwargs)
+        if graphable(self, hidden_states, kv_cache):
+            return self.coat.graphed(self)(hidden_states, *position_embeddings, attention_mask)
         return decoder_layer(self, self.coat, hidden_states, position_embeddings, attention_mask, kv_cache)
+
+
+def graphable(layer, x, kv_cache) -> bool:
+    """Whether this call of a converted layer may replay CUDA graphs: asked for by the config; a CUDA training step
+    (grad enabled, no KV cache, no dropout) outside another capture and outside torch.compile; no activation
+    checkpointing, no module hooks (ZeRO-3's parameter gathering, offloading hooks) around the layer and no
+    saved-tensor hooks (activation offloading, memory measurements), which a replay would bypass."""
+    return (layer.coat.config.cuda_graphs and x.is_cuda and torch.is_grad_enabled() and kv_cache is None
+            and not (layer.training and layer.self_attn.attention_dropout > 0)
+            and not getattr(layer, "gradient_checkpointing", False)
+            and not (layer._forward_pre_hooks or layer._forward_hooks)
+            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+            and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing())
 
 
 def decoder_layer(layer, state: LayerState, x, position_embeddings, mask=None, kv_cache=None):

@@ -150,7 +150,7 @@ def main(argv=None):
               f"{type(engine.optimizer).__name__}, device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}",
               flush=True)
 
-    rows, step_times, optimizer_times = [], [], []
+    rows, step_times, optimizer_times, host_times = [], [], [], []
     csv = open_csv(args.csv) if rank == 0 and args.csv else None
     memory = {}
     for step in range(args.steps):
@@ -163,6 +163,7 @@ def main(argv=None):
         start = time.perf_counter()
         loss = engine(input_ids=tokens[:, :-1], labels=tokens[:, 1:].contiguous()).loss
         engine.backward(loss)
+        host_times.append(time.perf_counter() - start)  # until the host has issued forward and backward
         sync(device)
         optimizer_start = time.perf_counter()
         engine.step()
@@ -198,6 +199,7 @@ def main(argv=None):
                        mean_loss_last10=statistics.fmean(r[1] for r in rows[-10:]),
                        median_step_ms=median_s * 1e3, tokens_per_s=tokens_per_step / median_s,
                        median_optimizer_step_ms=statistics.median(optimizer_times[min(10, len(step_times) // 2):]) * 1e3,
+                       median_fwd_bwd_host_ms=statistics.median(host_times[min(10, len(step_times) // 2):]) * 1e3,
                        cpu_peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20,
                        peak_memory_gib=[b / 2 ** 30 for b in peaks],
                        optimizer_state_bytes=[s["state_bytes"] for s in states],

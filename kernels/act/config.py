@@ -15,6 +15,10 @@ the forward copy, from one read of the weight, so backward needs no BF16 weight 
 weights after forward: ZeRO-3). "backward": at the first backward that needs it, from the weight itself, which then
 stays referenced by the graph (no copy); the copy does not occupy memory through the forward, where activation memory
 peaks (for engines whose weights stay in memory: Megatron, ZeRO-1/2).
+cuda_graphs: layers that support it (coat_hf's decoder layers) capture their forward and backward as CUDA graphs per
+input shape and replay them (coat_kernels.act.layer_graphs): no host cost per layer step, for static shapes, CUDA
+tensors, training steps whose forward is followed by its backward; parameters must stay where they are (ZeRO-1/2,
+plain PyTorch; not ZeRO-3). Inside a graph the weights are quantized at every forward (cache_weights does not apply).
 """
 from __future__ import annotations
 
@@ -35,11 +39,12 @@ class ActivationConfig:
     fprop_fast_accum: bool = False
     cache_weights: bool = True
     transposed_weights: str = "forward"
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         check_choice("backend", self.backend, BACKENDS)
         check_choice("transposed_weights", self.transposed_weights, TRANSPOSED_WEIGHTS)
-        for name in ("fprop_fast_accum", "cache_weights"):
+        for name in ("fprop_fast_accum", "cache_weights", "cuda_graphs"):
             check_bool(name, getattr(self, name))
 
     def use_triton(self, t: torch.Tensor) -> bool:

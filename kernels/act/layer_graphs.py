@@ -1,0 +1,154 @@
+"""CUDA graphs of one layer's forward and backward, captured lazily per input shape and replayed in place of the eager
+calls: the whole host cost of a layer step (Python, Triton launches, cuBLAS calls, autograd nodes) becomes two graph
+launches. TransformerEngine's `make_graphed_callables` does the same for a list of callables captured up front; here
+each layer captures itself at its first call with a new shape, so a model needs no sample inputs and no set-up call.
+
+`GraphedLayer(fn, module)`: `fn(*inputs)` is the layer's forward (a tensor out), reading the parameters of `module`.
+Calling the GraphedLayer with inputs of a signature seen before replays the forward graph; the backward of its output
+replays the backward graph, which gives the gradients of the inputs and parameters to autograd as ordinary gradients
+(accumulated into `.grad`, through any hooks an engine put on the parameters). A signature is the inputs' shapes,
+dtypes and requires_grad, and the parameters' storage addresses (an engine that moves or re-allocates parameters
+gets new graphs).
+
+What a replay needs and how it is kept right:
+- Inputs are copied into the graph's own input buffers (skipped when the caller passes those very buffers).
+- The output is the graph's output buffer (a view of it): each replay overwrites it. A call made while the previous
+  call's backward is still pending (its autograd graph alive: two forwards before a backward, a forward whose loss is
+  never backpropagated and is still referenced) runs eagerly instead, so no live result is overwritten.
+- Memory the graphs keep: what the forward saves for backward (kept from capture on, where eager frees it after each
+  backward), the input/output/gradient buffers, and the parameter gradients of the backward graph (the size of the
+  layer's parameters). Graphs of all layers share one memory pool.
+- Capture runs `warmup` eager forward + backward passes first (on a side stream, `torch.autograd.grad`, so nothing is
+  accumulated into `.grad`), then captures the forward and the backward on one capture stream. During capture the
+  module's parameters are replaced by aliases (same storage), so the captured autograd graph holds no node of the
+  real parameters: their gradient accumulation (and any hook an engine put on it) runs on the stream of the eager
+  backward.
+- The gradients handed to autograd are views of the backward graph's buffers that the capture keeps referenced, so
+  autograd copies them into `.grad` (it never adopts a buffer the next replay overwrites): gradient accumulation over
+  micro-batches stays right.
+Only CUDA tensors, with grad enabled, outside another capture; `fn` must not synchronise with the host.
+"""
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class _Capture:
+    inputs: list                # the graph's input buffers (tensors; None where the caller passed None)
+    output: torch.Tensor        # the forward graph's output buffer (holds the autograd graph the backward replays)
+    grad_output: torch.Tensor   # the backward graph's incoming-gradient buffer
+    grads: tuple                # views of the gradient buffers, one per input and parameter that requires grad
+    needs_grad: tuple           # per input and parameter: whether it gets a gradient
+    forward: torch.cuda.CUDAGraph
+    backward: torch.cuda.CUDAGraph
+    pending: object = None      # weak reference to the token of the call whose backward has not run yet
+    replays: int = 0
+
+
+class _Token:
+    """Alive while the autograd graph of one replayed call is (held by its ctx)."""
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, capture: _Capture, n_inputs: int, *tensors):
+        for buf, t in zip(capture.inputs, tensors[:n_inputs]):
+            if buf is not None and buf.data_ptr() != t.data_ptr():
+                buf.copy_(t)
+        capture.forward.replay()
+        capture.replays += 1
+        ctx.capture, ctx.token = capture, _Token()
+        capture.pending = weakref.ref(ctx.token)
+        return capture.output.detach()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        capture = ctx.capture
+        if grad.data_ptr() != capture.grad_output.data_ptr():
+            capture.grad_output.copy_(grad)
+        capture.backward.replay()
+        capture.pending = None
+        grads = iter(capture.grads)
+        return (None, None) + tuple(next(grads) if needed else None for needed in capture.needs_grad)
+
+
+@dataclass
+class GraphedLayer:
+    fn: object
+    module: torch.nn.Module
+    warmup: int = 2
+    pool: object = None  # a CUDA graph memory pool handle shared by the layers of one model
+    captures: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.names = [n for n, p in self.module.named_parameters() if p.requires_grad]
+        self.params = [self.module.get_parameter(n) for n in self.names]
+
+    def __call__(self, *inputs):
+        key = self._signature(inputs)
+        capture = self.captures.get(key)
+        if capture is None:
+            capture = self.captures[key] = self._capture(inputs)
+        if capture.pending is not None and capture.pending() is not None:
+            return self.fn(*inputs)  # the previous call's backward is pending: its output must stay as it is
+        tensors = [t if t is not None else _NONE for t in inputs]
+        return _Replay.apply(capture, len(inputs), *tensors, *self.params)
+
+    def _signature(self, inputs):
+        return (tuple(None if t is None else (tuple(t.shape), t.dtype, t.requires_grad, t.device) for t in inputs),
+                tuple(p.data_ptr() for p in self.params))
+
+    def _capture(self, inputs) -> _Capture:
+        static = [None if t is None else t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+        aliases = [torch.nn.Parameter(p.detach(), requires_grad=True) for p in self.params]
+        surface = [t for t in static if t is not None and t.requires_grad] + aliases
+        needs_grad = tuple(t is not None and t.requires_grad for t in static) + (True,) * len(aliases)
+        # no autocast cache while capturing: a cast of a parameter cached by an eager pass would be read by the
+        # graph as it was then, and a cast made in the capture would live in the graph's memory
+        autocast = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
+                                  enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
+        with _parameters_replaced(self.module, self.names, aliases), autocast:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    out = self.fn(*static)
+                    torch.autograd.grad(out, surface, torch.zeros_like(out), allow_unused=True)
+                    del out
+            torch.cuda.current_stream().wait_stream(side)
+            forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(forward, pool=self.pool):
+                output = self.fn(*static)
+            grad_output = torch.empty_like(output)
+            with torch.cuda.graph(backward, pool=self.pool):
+                grads = torch.autograd.grad(output, surface, grad_output, allow_unused=True, retain_graph=True)
+        if any(g is None for g in grads):
+            unused = [i for i, g in enumerate(grads) if g is None]
+            raise RuntimeError(f"GraphedLayer: inputs/parameters {unused} requiring grad get no gradient from the "
+                               "layer; pass only what the layer uses")
+        return _Capture(static, output, grad_output, tuple(g.detach() for g in grads), needs_grad, forward, backward)
+
+
+@contextmanager
+def _parameters_replaced(module, names, replacements):
+    """Within the block, module's parameters `names` are `replacements` (restored afterwards)."""
+    slots = []
+    for name, new in zip(names, replacements):
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        slots.append((owner, leaf, owner._parameters[leaf]))
+        owner._parameters[leaf] = new
+    try:
+        yield
+    finally:
+        for owner, leaf, old in slots:
+            owner._parameters[leaf] = old
+
+
+_NONE = torch.empty(0)  # stands for an absent input in the replay's argument list (autograd needs tensors)
