@@ -11,21 +11,23 @@ dtypes and requires_grad, and the parameters' storage addresses (an engine that 
 gets new graphs).
 
 What a replay needs and how it is kept right:
-- Inputs are copied into the graph's own input buffers (skipped when the caller passes those very buffers).
+- Inputs are copied into the graph's own input buffers (skipped when the caller passes those very buffers). An input
+  that is the output buffer of another graph of the same `GraphPool` (the previous layer's) is used as this graph's
+  input buffer itself: consecutive graphed layers pass activations without a copy or a second buffer.
 - The output is the graph's output buffer (a view of it): each replay overwrites it. A call made while the previous
   call's backward is still pending (its autograd graph alive: two forwards before a backward, a forward whose loss is
   never backpropagated and is still referenced) runs eagerly instead, so no live result is overwritten.
 - Memory the graphs keep: what the forward saves for backward (kept from capture on, where eager frees it after each
-  backward), the input/output/gradient buffers, and the parameter gradients of the backward graph (the size of the
-  layer's parameters). Graphs of all layers share one memory pool.
+  backward), the input/output/gradient buffers, and the parameter gradient buffers of the backward graph (the size of
+  the layer's parameters, which become `.grad`). Graphs of all layers of a model share one `GraphPool`.
 - Capture runs `warmup` eager forward + backward passes first (on a side stream, `torch.autograd.grad`, so nothing is
   accumulated into `.grad`), then captures the forward and the backward on one capture stream. During capture the
   module's parameters are replaced by aliases (same storage), so the captured autograd graph holds no node of the
   real parameters: their gradient accumulation (and any hook an engine put on it) runs on the stream of the eager
   backward.
-- The gradients handed to autograd are views of the backward graph's buffers that the capture keeps referenced, so
-  autograd copies them into `.grad` (it never adopts a buffer the next replay overwrites): gradient accumulation over
-  micro-batches stays right.
+- The parameter gradients handed to autograd are views of the backward graph's buffers: where `.grad` is None,
+  autograd adopts them (no copy); before a replay, a `.grad` that still is such a buffer (accumulation over
+  micro-batches without zeroing) is first replaced by a copy, so the replay never overwrites an accumulated gradient.
 Only CUDA tensors, with grad enabled, outside another capture; `fn` must not synchronise with the host.
 """
 from __future__ import annotations
@@ -37,12 +39,27 @@ from dataclasses import dataclass, field
 import torch
 
 
+class GraphPool:
+    """What the graphed layers of one model share: a CUDA-graph memory pool (made at first use) and the output
+    buffers of their forward graphs (by address), so that a layer fed by another's output reuses that buffer."""
+
+    def __init__(self):
+        self._handle = None
+        self.outputs: dict = {}
+
+    @property
+    def handle(self):
+        if self._handle is None:
+            self._handle = torch.cuda.graph_pool_handle()
+        return self._handle
+
+
 @dataclass
 class _Capture:
     inputs: list                # the graph's input buffers (tensors; None where the caller passed None)
     output: torch.Tensor        # the forward graph's output buffer (holds the autograd graph the backward replays)
     grad_output: torch.Tensor   # the backward graph's incoming-gradient buffer
-    grads: tuple                # views of the gradient buffers, one per input and parameter that requires grad
+    grads: tuple                # the gradient buffers, one per input and parameter that requires grad
     needs_grad: tuple           # per input and parameter: whether it gets a gradient
     forward: torch.cuda.CUDAGraph
     backward: torch.cuda.CUDAGraph
@@ -62,7 +79,7 @@ class _Replay(torch.autograd.Function):
                 buf.copy_(t)
         capture.forward.replay()
         capture.replays += 1
-        ctx.capture, ctx.token = capture, _Token()
+        ctx.capture, ctx.token, ctx.params = capture, _Token(), tensors[n_inputs:]
         capture.pending = weakref.ref(ctx.token)
         return capture.output.detach()
 
@@ -72,18 +89,22 @@ class _Replay(torch.autograd.Function):
         capture = ctx.capture
         if grad.data_ptr() != capture.grad_output.data_ptr():
             capture.grad_output.copy_(grad)
+        buffers = {g.data_ptr() for g in capture.grads}
+        for p in ctx.params:  # a gradient still held in a buffer of this graph: keep it out of the replay's way
+            if p.grad is not None and p.grad.data_ptr() in buffers:
+                p.grad = p.grad.clone()
         capture.backward.replay()
         capture.pending = None
         grads = iter(capture.grads)
-        return (None, None) + tuple(next(grads) if needed else None for needed in capture.needs_grad)
+        return (None, None) + tuple(next(grads).detach() if needed else None for needed in capture.needs_grad)
 
 
 @dataclass
 class GraphedLayer:
     fn: object
     module: torch.nn.Module
-    warmup: int = 2
-    pool: object = None  # a CUDA graph memory pool handle shared by the layers of one model
+    pool: GraphPool = field(default_factory=GraphPool)  # shared by the graphed layers of one model
+    warmup: int = 1
     captures: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -104,8 +125,16 @@ class GraphedLayer:
         return (tuple(None if t is None else (tuple(t.shape), t.dtype, t.requires_grad, t.device) for t in inputs),
                 tuple(p.data_ptr() for p in self.params))
 
+    def _static_input(self, t):
+        if t is None:
+            return None
+        shared = self.pool.outputs.get(t.data_ptr())
+        if shared is not None and shared.shape == t.shape and shared.dtype == t.dtype:
+            return shared.detach().requires_grad_(t.requires_grad)  # a leaf on the other graph's output buffer
+        return t.detach().clone().requires_grad_(t.requires_grad)
+
     def _capture(self, inputs) -> _Capture:
-        static = [None if t is None else t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+        static = [self._static_input(t) for t in inputs]
         aliases = [torch.nn.Parameter(p.detach(), requires_grad=True) for p in self.params]
         surface = [t for t in static if t is not None and t.requires_grad] + aliases
         needs_grad = tuple(t is not None and t.requires_grad for t in static) + (True,) * len(aliases)
@@ -123,16 +152,17 @@ class GraphedLayer:
                     del out
             torch.cuda.current_stream().wait_stream(side)
             forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(forward, pool=self.pool):
+            with torch.cuda.graph(forward, pool=self.pool.handle):
                 output = self.fn(*static)
             grad_output = torch.empty_like(output)
-            with torch.cuda.graph(backward, pool=self.pool):
+            with torch.cuda.graph(backward, pool=self.pool.handle):
                 grads = torch.autograd.grad(output, surface, grad_output, allow_unused=True, retain_graph=True)
         if any(g is None for g in grads):
             unused = [i for i, g in enumerate(grads) if g is None]
             raise RuntimeError(f"GraphedLayer: inputs/parameters {unused} requiring grad get no gradient from the "
                                "layer; pass only what the layer uses")
-        return _Capture(static, output, grad_output, tuple(g.detach() for g in grads), needs_grad, forward, backward)
+        self.pool.outputs[output.data_ptr()] = output
+        return _Capture(static, output, grad_output, grads, needs_grad, forward, backward)
 
 
 @contextmanager

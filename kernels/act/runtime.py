@@ -5,7 +5,7 @@
   it (handoff.GradientAmaxHandoff);
 - `clock`: the optimizer-step count that keeps FP8 weight copies valid (weights.StepClock);
 - `rope`: the cos/sin tables of the model's rotary embedding, made once for all its layers (rope.RopeTables);
-- `graph_pool`: the CUDA-graph memory pool the model's graphed layers share (layer_graphs; made at first use).
+- `graph_pool`: what the model's CUDA-graphed layers share (layer_graphs.GraphPool).
 One runtime per model: the modules of a model (a converted Hugging Face model, a Megatron GPT) are given the same
 one; a module built without one gets its own (correct, but no hand-off between modules and no weight cache until
 its clock is attached to the optimizer).
@@ -16,6 +16,7 @@ import warnings
 
 from .config import ActivationConfig
 from .handoff import GradientAmaxHandoff
+from .layer_graphs import GraphPool
 from .rope import RopeTables
 from .scaling import ScaleTickets
 from .weights import StepClock, WeightCache
@@ -27,16 +28,8 @@ class CoatRuntime:
         self.handoff = GradientAmaxHandoff()
         self.clock = StepClock()
         self.rope = RopeTables()
-        self._graph_pool = None
+        self.graph_pool = GraphPool()
         self._warned_unattached = False
-
-    @property
-    def graph_pool(self):
-        if self._graph_pool is None:
-            import torch
-
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        return self._graph_pool
 
     def attach_optimizer(self, optimizer):
         """Weights are re-quantized after each step of this (torch) optimizer, once for all micro-batches."""

@@ -75,6 +75,30 @@ def test_graphed_training_matches_eager():
     assert max(errors.values()) < 2e-2, errors
 
 
+def test_gradient_accumulation_over_micro_batches():
+    """.grad adopted from a graph's buffer is moved out of the way before the next replay: accumulating two
+    micro-batches without zeroing sums both."""
+    eager, graphed = model_pair()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    batches = [torch.randint(0, VOCAB, (2, SEQ), device="cuda", generator=g) for _ in range(3)]
+    grads = []
+    for model in (eager, graphed):
+        model.zero_grad(set_to_none=True)
+        for ids in batches:
+            model(input_ids=ids, labels=ids).loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    errors = {n: rel(a, b) for (n, _), a, b in zip(graphed.named_parameters(), grads[1], grads[0])}
+    assert max(errors.values()) < 2e-2, errors
+
+
+def test_consecutive_layers_share_activation_buffers():
+    _, graphed = model_pair()
+    train(graphed, 1)
+    layers = [layer.coat.graphs.captures for layer in graphed.model.layers]
+    (c0,), (c1,) = layers[0].values(), layers[1].values()
+    assert c1.inputs[0].data_ptr() == c0.output.data_ptr()
+
+
 def test_two_forwards_before_a_backward_run_eagerly_and_stay_right():
     eager, graphed = model_pair()
     train(eager, 1)
