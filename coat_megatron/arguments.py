@@ -39,27 +39,33 @@ def add_coat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     opt.add_argument("--coat-optimizer", action="store_true",
                      help="replace Megatron's Adam (inside the distributed or mixed-precision optimizer) by "
                           "CoatFP8AdamW: both moments in FP8 with per-group dynamic range expansion")
-    opt.add_argument("--coat-exp-avg-format", choices=FP8_FORMATS, default=DEFAULTS.exp_avg_format,
-                     help="FP8 format of exp_avg")
-    opt.add_argument("--coat-exp-avg-sq-format", choices=FP8_FORMATS, default=DEFAULTS.exp_avg_sq_format,
-                     help="FP8 format of exp_avg_sq")
-    opt.add_argument("--coat-no-expand-exp-avg", dest="coat_expand_exp_avg", action="store_false",
-                     help="no dynamic range expansion for exp_avg")
-    opt.add_argument("--coat-no-expand-exp-avg-sq", dest="coat_expand_exp_avg_sq", action="store_false",
-                     help="no dynamic range expansion for exp_avg_sq")
-    opt.add_argument("--coat-group-size", type=int, default=DEFAULTS.group_size,
-                     help="elements per quantization group")
-    opt.add_argument("--coat-expand-min", type=int, default=DEFAULTS.expand_min,
-                     help="the expansion exponent k is a multiple of 1/N")
-    opt.add_argument("--coat-k-max", type=float, default=DEFAULTS.k_max, help="cap on the expansion exponent k")
+    for option, (flag, kwargs) in OPTIMIZER_FLAGS.items():
+        opt.add_argument(flag, dest=f"coat_{option}", **kwargs)
     return parser
+
+
+# CoatFP8AdamW's per-group options (coat_kernels.optim.config.GROUP_OPTION_NAMES) as Megatron flags: option name ->
+# (flag, argparse arguments). The one place the flag names live; `coat_optimizer_options` reads them back.
+OPTIMIZER_FLAGS = {
+    "exp_avg_format": ("--coat-exp-avg-format", dict(choices=FP8_FORMATS, default=DEFAULTS.exp_avg_format,
+                                                     help="FP8 format of exp_avg")),
+    "exp_avg_sq_format": ("--coat-exp-avg-sq-format", dict(choices=FP8_FORMATS, default=DEFAULTS.exp_avg_sq_format,
+                                                           help="FP8 format of exp_avg_sq")),
+    "expand_exp_avg": ("--coat-no-expand-exp-avg", dict(action="store_false",
+                                                        help="no dynamic range expansion for exp_avg")),
+    "expand_exp_avg_sq": ("--coat-no-expand-exp-avg-sq", dict(action="store_false",
+                                                              help="no dynamic range expansion for exp_avg_sq")),
+    "group_size": ("--coat-group-size", dict(type=int, default=DEFAULTS.group_size,
+                                             help="elements per quantization group")),
+    "expand_min": ("--coat-expand-min", dict(type=int, default=DEFAULTS.expand_min,
+                                             help="the expansion exponent k is a multiple of 1/N")),
+    "k_max": ("--coat-k-max", dict(type=float, default=DEFAULTS.k_max, help="cap on the expansion exponent k")),
+}
 
 
 def coat_optimizer_options(args) -> dict:
     """CoatFP8AdamW's COAT options from the --coat-* flags."""
-    return dict(exp_avg_format=args.coat_exp_avg_format, exp_avg_sq_format=args.coat_exp_avg_sq_format,
-                expand_exp_avg=args.coat_expand_exp_avg, expand_exp_avg_sq=args.coat_expand_exp_avg_sq,
-                group_size=args.coat_group_size, expand_min=args.coat_expand_min, k_max=args.coat_k_max)
+    return {option: getattr(args, f"coat_{option}") for option in OPTIMIZER_FLAGS}
 
 
 def install_coat_args() -> None:

@@ -177,6 +177,10 @@ def test_coat_optimizer_flags():
     assert args.coat_optimizer
     assert coat_optimizer_options(args) == dict(exp_avg_format="e4m3", exp_avg_sq_format="e5m2", expand_exp_avg=False,
                                                 expand_exp_avg_sq=True, group_size=256, expand_min=16, k_max=8.0)
+    from coat_kernels.optim.config import GROUP_OPTION_NAMES
+    from coat_megatron.arguments import OPTIMIZER_FLAGS
+
+    assert set(OPTIMIZER_FLAGS) == set(GROUP_OPTION_NAMES)  # every per-group COAT option has its flag
 
 
 def test_megatron_training_parses_coat_optimizer(monkeypatch):
