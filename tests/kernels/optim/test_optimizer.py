@@ -293,7 +293,7 @@ def test_migration_to_torch_adamw_and_back():
         opt.step()
     sd = opt.torch_adamw_state_dict()
     assert all(set(e) == {"step", "exp_avg", "exp_avg_sq"} for e in sd["state"].values())
-    assert "exp_avg_format" not in sd["param_groups"][0]
+    assert sd["param_groups"][0]["exp_avg_sq_format"] == "e5m2"  # the options travel with the groups
 
     adamw_model = model_and_grads(0)
     adamw_model.load_state_dict(model.state_dict())
