@@ -113,11 +113,16 @@ def to_fp32(entry: dict, m_cfg: DREConfig, v_cfg: DREConfig) -> dict:
     return out
 
 
-def moment_configs_of(group: dict) -> tuple[DREConfig, DREConfig]:
-    """The (exp_avg, exp_avg_sq) quantizers of a saved param group (its COAT options; defaults where absent)."""
+def config_of(group: dict):
+    """The OptimizerConfig of a saved param group (its COAT options; defaults where absent)."""
     from .config import GROUP_OPTION_NAMES, OptimizerConfig
 
-    return OptimizerConfig(**{k: group[k] for k in GROUP_OPTION_NAMES if k in group}).moment_configs()
+    return OptimizerConfig(**{k: group[k] for k in GROUP_OPTION_NAMES if k in group})
+
+
+def moment_configs_of(group: dict) -> tuple[DREConfig, DREConfig]:
+    """The (exp_avg, exp_avg_sq) quantizers of a saved param group (its COAT options; defaults where absent)."""
+    return config_of(group).moment_configs()
 
 
 def entry_bytes(entry: dict) -> int:

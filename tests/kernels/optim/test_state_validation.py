@@ -471,3 +471,18 @@ def test_deepspeed_refuses_another_ranks_shard_and_damaged_shards(tmp_path):
     mp.spawn(job.worker, args=(2, str(tmp_path / "rdzv"), str(ck)), nprocs=2, join=True)
     assert sorted(p.name for p in ck.glob("refused_*")) == [f"refused_{case}_rank{r}" for case in
                                                             ("z2_damaged", "z2_swapped", "z3_swapped") for r in (0, 1)]
+
+
+def test_universal_conversion_refuses_damaged_entries():
+    """coat_ds.to_universal dequantizes every entry of a checkpoint shard: a damaged one stops the conversion."""
+    from coat_ds.to_universal import expand_states
+
+    _, opt = trained(1, group_size=64)
+    shard = {"optimizer_state_dict": {"base_optimizer_state": copy.deepcopy(opt.state_dict())}}
+    found = []
+    converted = expand_states(shard, found, where="shard.pt")
+    assert len(found) == 4 and set(converted["optimizer_state_dict"]["base_optimizer_state"]["state"][1]) == {
+        "step", "exp_avg", "exp_avg_sq"}
+    shard["optimizer_state_dict"]["base_optimizer_state"]["state"][1]["exp_avg_meta"][0, 2] = 0.0
+    with pytest.raises(StateError, match=r"shard.pt, parameter 1: exp_avg_meta gives 1 of 5 .* k outside"):
+        expand_states(shard, where="shard.pt")
