@@ -217,9 +217,9 @@ def check_tensors(entry: dict, layout: GroupLayout, cfg, where: str, device=None
         if meta.dtype != torch.float32 or tuple(meta.shape) != (3, layout.num_groups):
             raise StateError(f"{where}: {moment}_meta is {meta.dtype} {tuple(meta.shape)}, the tensor's "
                              f"{layout.num_groups} quantization groups need torch.float32 (3, {layout.num_groups})")
-        if device is not None and (codes.device != device or meta.device != device):
-            raise StateError(f"{where}: {moment}_q is on {codes.device} and {moment}_meta on {meta.device}, the "
-                             f"tensor on {device}")
+        for key, t in ((moment + "_q", codes), (moment + "_meta", meta)):
+            if device is not None and t.device != device:
+                raise StateError(f"{where}: {key} is on {t.device}, the tensor on {device}")
 
 
 def check_step(step, where: str) -> None:

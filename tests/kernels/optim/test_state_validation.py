@@ -486,3 +486,14 @@ def test_universal_conversion_refuses_damaged_entries():
     shard["optimizer_state_dict"]["base_optimizer_state"]["state"][1]["exp_avg_meta"][0, 2] = 0.0
     with pytest.raises(StateError, match=r"shard.pt, parameter 1: exp_avg_meta gives 1 of 5 .* k outside"):
         expand_states(shard, where="shard.pt")
+
+
+def test_state_tensors_on_another_device_are_refused():
+    p = torch.nn.Parameter(torch.randn(300))
+    opt = CoatFP8AdamW([p], lr=1e-2)
+    p.grad = torch.randn(300)
+    opt.step()
+    opt.state[p]["exp_avg_sq_meta"] = opt.state[p]["exp_avg_sq_meta"].to("meta")
+    with pytest.raises(StateError, match=r"parameter 0 \(shape \(300,\), param group 0\): exp_avg_sq_meta is on meta"):
+        opt.step()
+    assert float(opt.state[p]["step"]) == 1
