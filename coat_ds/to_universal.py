@@ -23,28 +23,33 @@ import tempfile
 
 import torch
 
-from coat_kernels.optim import is_coat_state, to_fp32
-from coat_kernels.optim.state import moment_configs_of
+from coat_kernels.optim import is_coat_state, to_fp32, validate_entry
+from coat_kernels.optim.state import config_of
 
 
-def expand_states(obj, found: list | None = None, configs=None):
+def expand_states(obj, found: list | None = None, config=None, where: str = "a CoatFP8AdamW state"):
     """Replace, anywhere in a nested checkpoint object, each CoatFP8AdamW entry by {step, exp_avg, exp_avg_sq}: the
     fp32 moments that CoatFP8AdamW quantizes back to the same codes and metadata on the same partition layout.
 
-    An optimizer state dict's entries use their param group's options. Appends one item to `found` per entry."""
+    An optimizer state dict's entries use their param group's options. Every entry is checked first
+    (coat_kernels.optim.state.validate_entry: a damaged one raises StateError naming `where` and its parameter id).
+    Appends one item to `found` per entry."""
     found = [] if found is None else found
     if isinstance(obj, dict):
         if is_coat_state(obj):
+            config = config or config_of({})
+            codes = obj["exp_avg_q"]
+            validate_entry(obj, codes.numel() if isinstance(codes, torch.Tensor) else 0, config, where)
             found.append(1)
-            return {"step": obj["step"], **to_fp32(obj, *(configs or moment_configs_of({})))}
+            return {"step": obj["step"], **to_fp32(obj, *config.moment_configs())}
         if isinstance(obj.get("state"), dict) and isinstance(obj.get("param_groups"), list):
             group_of = {pid: group for group in obj["param_groups"] for pid in group.get("params", ())}
-            state = {pid: expand_states(entry, found, moment_configs_of(group_of.get(pid, {})))
-                     for pid, entry in obj["state"].items()}
-            return {**{k: expand_states(v, found) for k, v in obj.items() if k != "state"}, "state": state}
-        return {k: expand_states(v, found) for k, v in obj.items()}
+            state = {pid: expand_states(entry, found, config_of(group_of.get(pid, {})),
+                                        f"{where}, parameter {pid}") for pid, entry in obj["state"].items()}
+            return {**{k: expand_states(v, found, where=where) for k, v in obj.items() if k != "state"}, "state": state}
+        return {k: expand_states(v, found, where=where) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(expand_states(v, found) for v in obj)
+        return type(obj)(expand_states(v, found, where=where) for v in obj)
     return obj
 
 
@@ -59,7 +64,7 @@ def dequantized_copy(input_folder: str, work_dir: str) -> tuple[str, int]:
         path = os.path.join(copy, name)
         shard = torch.load(path, map_location="cpu", weights_only=False)
         found = []
-        converted = expand_states(shard, found)
+        converted = expand_states(shard, found, where=f"{name}: CoatFP8AdamW state")
         if found:
             torch.save(converted, path)
             rewritten += 1

@@ -75,6 +75,9 @@ class MegatronCoatFP8AdamW(CoatFP8AdamW):
 
     def load_state_dict(self, state_dict):
         group_steps = [g.get("step") for g in state_dict["param_groups"]]
+        own = {k: self.defaults[k] for k in GROUP_OPTION_NAMES}
+        # this run's options, also when the loaded entries are checked against their groups
+        state_dict = {**state_dict, "param_groups": [{**g, **own} for g in state_dict["param_groups"]]}
         super().load_state_dict(state_dict)
         self._use_own_coat_options()
         for group, group_step in zip(self.param_groups, group_steps):

@@ -15,6 +15,12 @@ Engines that hand the optimizer flat tensors holding fragments of several parame
 distributed-optimizer shards) say where each fragment comes from by overriding `param_segments`, so that
 quantization groups follow each parameter's own grid and never straddle two parameters.
 
+States are checked before they are used (coat_kernels.optim.state.validate_entry): `load_state_dict` and unpickling
+check every entry against its parameter, layout and param group, values included, and raise StateError (naming the
+parameter, the key and the problem) with the optimizer left as it was; a step checks keys, dtypes and shapes. A step
+checks and plans every group before it writes anything: one that raises leaves parameters, moments and steps as they
+were (nonfinite="error" aside, see below).
+
 Non-finite gradients (nonfinite="skip_group", the default): a quantization group whose gradient holds NaN or Inf
 (seen as a non-finite new second moment: a gradient whose square overflows fp32 counts too) keeps its parameters and
 moments unchanged; `skipped_groups` counts such groups (reading it synchronizes). nonfinite="error" does the same
@@ -30,6 +36,7 @@ from itertools import chain
 
 import torch
 
+from ..triton_fp8 import require_triton_device
 from . import dre_reference as reference
 from . import state as coat_state
 from .config import DEFAULTS, GROUP_OPTION_NAMES, OPTION_NAMES, OptimizerConfig
@@ -74,16 +81,22 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         return out
 
     def __setstate__(self, state):
+        # A whole optimizer (unpickled or deep-copied) has its config; torch's load_state_dict passes only the state
+        # and the param groups here, and load_state_dict checks those itself.
+        whole_optimizer = "config" in state
         state["state"] = defaultdict(dict, {p: {k: v.tensor() if isinstance(v, _PicklableCodes) else v
                                                 for k, v in entry.items()} for p, entry in state["state"].items()})
         super().__setstate__(state)
         self._reset_caches()
+        if whole_optimizer:
+            self._validate_states()
 
     # ---- the hook for engines --------------------------------------------------------------------------------
     def param_segments(self, param: torch.Tensor, group_index: int) -> list[Segment] | None:
         """The parameter runs inside `param` (a tensor of param group `group_index`): a list of
         (flat_start, length, param_offset), or None when `param` is one whole parameter. Engines that step flat
-        partitions or shards override this; it is asked once per tensor, when its state is created."""
+        partitions or shards override this; it is asked when a tensor's state is created, and when a state is
+        loaded (a loaded entry's segments must be these)."""
         return None
 
     # ---- public helpers -------------------------------------------------------------------------------------
@@ -104,11 +117,13 @@ class CoatFP8AdamW(torch.optim.Optimizer):
     def initialize_state(self) -> None:
         """Create the (zero) FP8 state of every parameter that has none yet, and quantize fp32 moments found in
         entries (a torch-format checkpoint): what the first step would do, now."""
+        offset = 0
         for index, group in enumerate(self.param_groups):
-            for p in group["params"]:
+            for position, p in enumerate(group["params"]):
                 state = self.state[p]
                 if not coat_state.is_coat_state(state) or "exp_avg" in state:
-                    self._init_state(p, group, index)
+                    self._init_state(p, group, index, _where(p, index, offset + position))
+            offset += len(group["params"])
 
     def fp32_moments(self, p: torch.Tensor) -> dict:
         """{"exp_avg", "exp_avg_sq"}: fp32, flat, on p's device (zeros before the first step). `set_fp32_moments`
@@ -116,20 +131,27 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         state = self.state[p]
         if not coat_state.is_coat_state(state) or "exp_avg" in state:
             group_index, group = self._group_of(p)
-            self._init_state(p, group, group_index)
+            self._init_state(p, group, group_index, self._describe(p))
         return coat_state.to_fp32(self.state[p], *self._config_of(p).moment_configs())
 
     def set_fp32_moments(self, p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                          step: float | None = None) -> None:
-        """Replace p's moments by these fp32 values (p's numel, any shape), quantized now on p's groups."""
+        """Replace p's moments by these fp32 values (p's numel, any shape; finite, exp_avg_sq >= 0), quantized now
+        on p's groups. Bad values raise StateError and leave the state as it was."""
         state = self.state[p]
         if not coat_state.is_coat_state(state):
             group_index, group = self._group_of(p)
-            self._init_state(p, group, group_index)
-        layout = self._layout(p, state)
+            self._init_state(p, group, group_index, self._describe(p))
+        layout = self._layouts.get(p) or self._layout(p, state, self._describe(p))
         m_cfg, v_cfg = self._config_of(p).moment_configs()
-        state.update(coat_state.from_fp32(exp_avg.to(p.device), exp_avg_sq.to(p.device), layout, m_cfg, v_cfg,
-                                          self._use_triton(p, layout.group_size)))
+        try:
+            if step is not None:
+                coat_state.check_step(step, "the step given")
+            quantized = coat_state.from_fp32(exp_avg.to(p.device), exp_avg_sq.to(p.device), layout, m_cfg, v_cfg,
+                                             self._use_triton(p, layout.group_size))
+        except ValueError as exc:
+            raise coat_state.StateError(f"{self._describe(p)}: {exc}") from None
+        _commit(state, quantized)
         if step is not None:
             state["step"] = torch.tensor(float(step), dtype=torch.float32)
 
@@ -140,41 +162,64 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Every group is checked and planned before anything is written: a step that raises leaves parameters,
+        # moments and steps as they were.
+        prepared = [self._prepare_group(index, group) for index, group in enumerate(self.param_groups)]
         before = self.skipped_groups if self.config.nonfinite == "error" else 0
-        for index, group in enumerate(self.param_groups):
-            self._step_group(index, group)
+        for work in prepared:
+            if work is not None:
+                self._run_group(*work)
         if self.config.nonfinite == "error" and self.skipped_groups > before:
             raise FloatingPointError(f"{self.skipped_groups - before} quantization groups had NaN/Inf gradients "
                                      "this step; their parameters and moments were left unchanged")
         return loss
 
-    def _step_group(self, index, group):
+    def _prepare_group(self, index, group):
+        """(plan, gradients, AdamW scalars per tensor, moment configs) of one group's step, or None without
+        gradients; raises (writing nothing) for bad options, tensors or states."""
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
-            return
+            return None
         grads = [p.grad for p in params]
         cfg = self.group_config(group)
+        _check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         signature = (tuple(map(id, params)), tuple((g.dtype, g.layout, g.shape) for g in grads), cfg)
         plan = self._plans.get(id(group))
         if plan is None or plan.signature != signature or not all(
                 self.state[p] is st and "exp_avg_q" in st and "exp_avg" not in st and self._layouts.get(p) is layout
                 for p, st, layout in zip(params, plan.states, plan.layouts)):
             plan = self._plans[id(group)] = self._plan(index, group, params, signature, cfg)
+        for i, (p, st, update) in enumerate(zip(params, plan.states, plan.updates)):
+            # state tensors may have been replaced since the plan (offloading engines swap them)
+            if update is None and _state_tensors(st) != plan.tensors[i]:
+                coat_state.check_tensors(st, plan.layouts[i], cfg, plan.wheres[i], p.device)
+                plan.tensors[i] = _state_tensors(st)
         beta1, beta2 = group["betas"]
-        _check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        m_cfg, v_cfg = cfg.moment_configs()
         scalars_by_step: dict[float, AdamWScalars] = {}
+        scalars = []
+        for st, update, where in zip(plan.states, plan.updates, plan.wheres):
+            step = reference.f32(float((st if update is None else update)["step"]) + 1.0)
+            if not 1.0 <= step < math.inf:
+                coat_state.check_step(step - 1.0, where)
+            if step not in scalars_by_step:
+                scalars_by_step[step] = AdamWScalars.make(group["lr"], beta1, beta2, group["eps"],
+                                                          group["weight_decay"], step)
+            scalars.append(scalars_by_step[step])
+        return plan, grads, scalars, cfg.moment_configs()
+
+    def _run_group(self, plan, grads, scalars, moment_configs):
+        m_cfg, v_cfg = moment_configs
+        for i, (st, update) in enumerate(zip(plan.states, plan.updates)):
+            if update is not None:
+                _commit(st, update)
+                plan.updates[i] = None
+            st["step"] += 1
         by_kernel: dict = {}
-        for p, grad, state, layout, key in zip(params, grads, plan.states, plan.layouts, plan.kernel_keys):
-            state["step"] += 1
-            step = float(state["step"])
-            scalars = scalars_by_step.get(step)
-            if scalars is None:
-                scalars = scalars_by_step[step] = AdamWScalars.make(group["lr"], beta1, beta2, group["eps"],
-                                                                    group["weight_decay"], step)
+        for p, grad, st, layout, key, h in zip(plan.params, grads, plan.states, plan.layouts, plan.kernel_keys,
+                                               scalars):
             if not grad.is_contiguous():
                 grad = grad.contiguous()
-            by_kernel.setdefault(key if key[0] else key + (scalars,), []).append((p, grad, state, layout, scalars))
+            by_kernel.setdefault(key if key[0] else key + (h,), []).append((p, grad, st, layout, h))
         for (use_triton, device, *_), items in by_kernel.items():
             if use_triton:
                 self._launch(device, items, m_cfg, v_cfg)
@@ -185,20 +230,30 @@ class CoatFP8AdamW(torch.optim.Optimizer):
 
     def _plan(self, index, group, params, signature, cfg) -> "_StepPlan":
         """Checks and per-tensor facts of a group's step, kept while the params with gradients, their gradients'
-        dtypes and shapes, the group's COAT options and the states stay the same (a step then only walks lists)."""
-        states, layouts, keys = [], [], []
+        dtypes and shapes, the group's COAT options and the states stay the same (a step then only walks lists and
+        checks the state tensors' shapes). A tensor without an FP8 state yet gets its new entry in `updates`, stored
+        when the step runs."""
+        positions = {id(q): i for i, q in enumerate(group["params"])}
+        offset = sum(len(g["params"]) for g in self.param_groups[:index])
+        plan = _StepPlan(signature, params, [], [], [], [], [], [])
         for p in params:
             _check_tensors(p)
+            where = _where(p, index, offset + positions[id(p)])
             state = self.state[p]
-            if not coat_state.is_coat_state(state) or "exp_avg" in state:
-                self._init_state(p, group, index)
-            layout = self._layout(p, state)
-            _check_state_fits(p, state, layout, cfg)
-            states.append(state)
-            layouts.append(layout)
-            keys.append((self._use_triton(p, layout.group_size), p.device, p.dtype, p.grad.dtype,
-                         layout.group_size))
-        return _StepPlan(signature, states, layouts, keys)
+            if coat_state.is_coat_state(state) and "exp_avg" not in state:
+                layout, update = self._layout(p, state, where), None
+                _check_state_fits(p, state, layout, cfg)
+                coat_state.check_tensors(state, layout, cfg, where, p.device)
+            else:
+                update, layout = self._new_entry(p, state, cfg, index, where)
+            plan.tensors.append(_state_tensors(state if update is None else {**state, **update}))
+            plan.states.append(state)
+            plan.layouts.append(layout)
+            plan.updates.append(update)
+            plan.wheres.append(where)
+            plan.kernel_keys.append((self._use_triton(p, layout.group_size), p.device, p.dtype, p.grad.dtype,
+                                     layout.group_size))
+        return plan
 
     def _launch(self, device, items, m_cfg, v_cfg):
         from . import dre_triton
@@ -217,9 +272,12 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         from .dre_triton import supports_group_size
 
         backend = self.config.backend
-        if backend == "triton" and not supports_group_size(group_size):
-            raise ValueError(f"backend='triton' needs a power-of-two group_size >= 4, got {group_size}")
-        return backend == "triton" or (backend == "auto" and p.is_cuda and supports_group_size(group_size))
+        if backend == "triton":
+            if not supports_group_size(group_size):
+                raise ValueError(f"backend='triton' needs a power-of-two group_size >= 4, got {group_size}")
+            require_triton_device(p, "CoatFP8AdamW")
+            return True
+        return backend == "auto" and p.is_cuda and supports_group_size(group_size)
 
     def _counter(self, device):
         if device not in self._skipped:
@@ -244,39 +302,68 @@ class CoatFP8AdamW(torch.optim.Optimizer):
                 return index, group
         raise KeyError("parameter is not in this optimizer")
 
-    def _init_state(self, p, group, group_index):
-        """A fresh entry on p's groups, keeping the step and quantizing fp32 moments found in the entry; an
-        existing FP8 entry keeps its codes (only fp32 moments found beside them replace them)."""
+    def _describe(self, p) -> str:
+        offset = 0
+        for index, group in enumerate(self.param_groups):
+            for position, q in enumerate(group["params"]):
+                if q is p:
+                    return _where(p, index, offset + position)
+            offset += len(group["params"])
+        return f"CoatFP8AdamW state of a tensor of shape {tuple(p.shape)} outside the param groups"
+
+    def _init_state(self, p, group, group_index, where):
+        """Store p's entry as the next step would make it (see _new_entry)."""
         state = self.state[p]
-        fp32_moments = {k: state.pop(k) for k in coat_state.MOMENTS if k in state}
-        cfg = self.group_config(group)
+        update, _ = self._new_entry(p, state, self.group_config(group), group_index, where)
+        _commit(state, update)
+
+    def _new_entry(self, p, state, cfg, group_index, where) -> tuple[dict, GroupLayout]:
+        """(what to store in p's entry, its layout), computed without changing the entry: a fresh zero state on p's
+        groups (keeping the step) where there is no FP8 state, and codes quantized from fp32 moments found in the
+        entry (they replace the codes beside them)."""
+        coat_state.validate_entry(state, p.numel(), cfg, where, scan=False)
         m_cfg, v_cfg = cfg.moment_configs()
-        if not coat_state.is_coat_state(state):
+        if coat_state.is_coat_state(state):
+            layout, update = self._layout(p, state, where), {}
+            _check_state_fits(p, state, layout, cfg)
+        else:
             segments = state["segments"] if "segments" in state else self.param_segments(p, group_index)
             segments = normalize_segments(segments, p.numel())
             layout = build_layout(segments, p.numel(), cfg.group_size)
-            state.update(coat_state.zero_state(p.numel(), segments, layout, m_cfg, v_cfg, p.device,
-                                               step=float(state.get("step", 0.0))))
-        layout = self._layout(p, state)
-        if fp32_moments:
-            if set(fp32_moments) != set(coat_state.MOMENTS):
-                raise KeyError(f"a state entry holds {sorted(fp32_moments)} but needs both exp_avg and exp_avg_sq")
-            state.update(coat_state.from_fp32(fp32_moments["exp_avg"].to(p.device),
-                                              fp32_moments["exp_avg_sq"].to(p.device), layout, m_cfg, v_cfg,
-                                              self._use_triton(p, layout.group_size)))
+            update = coat_state.zero_state(p.numel(), segments, layout, m_cfg, v_cfg, p.device,
+                                           step=float(state.get("step", 0.0)))
+        if "exp_avg" in state:
+            try:
+                update.update(coat_state.from_fp32(state["exp_avg"].to(p.device), state["exp_avg_sq"].to(p.device),
+                                                   layout, m_cfg, v_cfg, self._use_triton(p, layout.group_size)))
+            except ValueError as exc:
+                raise coat_state.StateError(f"{where}: {exc}") from None
+        self._layouts[p] = layout
+        return update, layout
 
-    def _layout(self, p, state):
+    def _layout(self, p, state, where):
         layout = self._layouts.get(p)
         if layout is None:
-            layout = build_layout(state["segments"], state["exp_avg_q"].numel(), int(state["group_size"]))
-            self._layouts[p] = layout
+            layout = self._layouts[p] = coat_state.entry_layout(state, p.numel(), where)
         return layout
+
+    def _validate_states(self) -> None:
+        """Every entry against its tensor and param group, values scanned (what load_state_dict checks, but the
+        segments, which only the engine that made them can tell)."""
+        offset = 0
+        for index, group in enumerate(self.param_groups):
+            cfg = self.group_config(group)
+            for position, p in enumerate(group["params"]):
+                if p in self.state:
+                    coat_state.validate_entry(self.state[p], p.numel(), cfg, _where(p, index, offset + position))
+            offset += len(group["params"])
 
     def torch_adamw_state_dict(self) -> dict:
         """The state in torch.optim.AdamW's layout: per parameter `step` and fp32 `exp_avg` / `exp_avg_sq` shaped like
-        it; param groups without the COAT options. `torch.optim.AdamW(params).load_state_dict(...)` continues the run
-        without COAT; `CoatFP8AdamW.load_state_dict` takes it back, with the FP8 state restored bit for bit on the
-        same tensors. (A torch AdamW state dict loads into CoatFP8AdamW as it is: its moments are quantized.)"""
+        it; param groups keep their COAT options (torch AdamW carries them along unused). `torch.optim.AdamW(params).
+        load_state_dict(...)` continues the run without COAT; `CoatFP8AdamW.load_state_dict` takes it back, with the
+        groups' options and the FP8 state restored bit for bit on the same tensors. (A torch AdamW state dict loads
+        into CoatFP8AdamW as it is: its moments are quantized with this optimizer's options.)"""
         sd = super().state_dict()
         params = list(chain.from_iterable(g["params"] for g in self.param_groups))
         for index, entry in sd["state"].items():
@@ -284,26 +371,65 @@ class CoatFP8AdamW(torch.optim.Optimizer):
             if coat_state.is_coat_state(entry):
                 moments = self.fp32_moments(p)
                 sd["state"][index] = {"step": entry["step"].clone(), **{k: v.view(p.shape) for k, v in moments.items()}}
-        for group in sd["param_groups"]:
-            for key in GROUP_OPTION_NAMES:
-                group.pop(key, None)
         return sd
 
     def load_state_dict(self, state_dict):
-        # torch casts every floating state tensor to the param's dtype: keep codes FP8 and metadata fp32.
+        """torch's load_state_dict, after every entry has been checked against its parameter, layout and param group
+        (coat_kernels.optim.state.validate_entry, values scanned): a bad entry raises StateError and leaves the
+        optimizer as it was. FP8 codes stay FP8 and metadata fp32 (torch would cast them to the parameter's dtype).
+        A saved group's COAT options are restored with it; a group saved without them (a torch.optim.AdamW run)
+        gets this optimizer's."""
+        id_to_param = self._check_loaded(state_dict)
         originals = {pid: {k: v for k, v in s.items() if k in coat_state.ENTRY_KEYS + coat_state.MOMENTS}
                      for pid, s in state_dict["state"].items()}
         super().load_state_dict(state_dict)
-        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        id_to_param = dict(zip(saved_ids, chain.from_iterable(g["params"] for g in self.param_groups)))
         for pid, tensors in originals.items():
             p = id_to_param[pid]
+            state = self.state[p]
             for key, value in tensors.items():
-                self.state[p][key] = value.to(p.device) if isinstance(value, torch.Tensor) else value
+                state[key] = value.to(p.device).contiguous() if isinstance(value, torch.Tensor) else value
+            if "step" in state:  # an own fp32 tensor per entry: steps increment in place
+                state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
         for group in self.param_groups:  # saved groups from older runs may lack options: this run's defaults
             for key, value in self.config.group_options.items():
                 group.setdefault(key, value)
         self._reset_caches()
+
+    def _check_loaded(self, state_dict) -> dict:
+        """Raise StateError (ValueError) for a state dict that does not fit: groups, their options, every entry.
+        Returns {saved parameter id: parameter}."""
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+            raise coat_state.StateError("an optimizer state dict needs 'state' and 'param_groups'")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"loaded state dict has a different number of parameter groups ({len(saved_groups)}, "
+                             f"this optimizer {len(self.param_groups)})")
+        targets, offset = {}, 0
+        for index, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            where = f"param group {index} of the loaded state dict"
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError(f"{where} has {len(saved['params'])} parameters, this optimizer's "
+                                 f"{len(group['params'])}: loaded state dict contains a parameter group that doesn't "
+                                 "match the size of optimizer's group")
+            _check_torch_options(saved, where)
+            options = {k: saved[k] for k in GROUP_OPTION_NAMES if k in saved}
+            try:
+                cfg = self.config.replace(**options)
+            except (TypeError, ValueError) as exc:
+                raise coat_state.StateError(f"{where}: {exc}") from None
+            for position, (p, pid) in enumerate(zip(group["params"], saved["params"])):
+                targets[pid] = (p, index, offset + position, cfg)
+            offset += len(group["params"])
+        for pid, entry in state_dict["state"].items():
+            if pid not in targets:
+                raise coat_state.StateError(f"the loaded state dict holds a state for parameter id {pid!r}, which "
+                                            "none of its param groups lists")
+            p, index, position, cfg = targets[pid]
+            segments = None
+            if isinstance(entry, dict) and "segments" in entry:
+                segments = normalize_segments(self.param_segments(p, index), p.numel())
+            coat_state.validate_entry(entry, p.numel(), cfg, _where(p, index, position), segments=segments)
+        return {pid: target[0] for pid, target in targets.items()}
 
 
 class _PicklableCodes:
@@ -317,9 +443,45 @@ class _PicklableCodes:
 @dataclass
 class _StepPlan:
     signature: tuple
-    states: list
+    params: list
+    states: list  # the live entries
     layouts: list
+    updates: list  # per tensor: None, or what to store in its entry before its first step (a new FP8 state)
+    wheres: list  # per tensor: how errors name it
+    tensors: list  # per tensor: (dtype, shape, device) of its codes and metadata, as checked
     kernel_keys: list  # (use Triton, device, param dtype, grad dtype, group size) per tensor
+
+
+def _commit(state: dict, update: dict) -> None:
+    """Store a new or re-quantized FP8 state in an entry (in place: engines may hold the entry), dropping the fp32
+    moments it was made from."""
+    for key in coat_state.MOMENTS:
+        state.pop(key, None)
+    state.update(update)
+
+
+def _state_tensors(state: dict):
+    """(dtype, shape, device) of an entry's codes and metadata: compared on every step, O(1)."""
+    try:
+        tensors = [state[k] for k in coat_state.CODE_KEYS + coat_state.META_KEYS]
+        return tuple((t.dtype, t.shape, t.device) for t in tensors)
+    except (KeyError, AttributeError):
+        return None
+
+
+def _where(p, group_index: int, position: int) -> str:
+    """How errors name a parameter: its index in the state dict and its shape."""
+    return f"CoatFP8AdamW state of parameter {position} (shape {tuple(p.shape)}, param group {group_index})"
+
+
+def _check_torch_options(saved_group: dict, where: str) -> None:
+    """A saved group of torch.optim.AdamW may hold options CoatFP8AdamW does not have: refused."""
+    for name, default in TORCH_DEFAULTS.items():
+        value = saved_group.get(name, default)
+        if value != default and not (name in ("foreach", "fused") and value is False):
+            hint = " (its state holds max_exp_avg_sq; continue that run with torch.optim.AdamW)" if name == "amsgrad" \
+                else ""
+            raise coat_state.StateError(f"{where} has {name}={value!r}, which CoatFP8AdamW does not support{hint}")
 
 
 @lru_cache(maxsize=256)
@@ -384,10 +546,9 @@ def _check_hyper_parameters(lr, betas, eps, weight_decay):
 
 def _check_state_fits(p, state, layout, cfg):
     """The state must describe this very tensor with this group's options: never step part of a tensor."""
-    if layout.numel != p.numel() or state["exp_avg_q"].numel() != p.numel():
-        raise RuntimeError(f"CoatFP8AdamW: a state of {state['exp_avg_q'].numel()} elements belongs to a tensor of "
-                           f"{p.numel()} elements (shape {tuple(p.shape)}): the parameter was resized or the "
-                           "checkpoint does not match the model")
+    if layout.numel != p.numel():
+        raise RuntimeError(f"CoatFP8AdamW: a state of {layout.numel} elements belongs to a tensor of {p.numel()} "
+                           f"elements (shape {tuple(p.shape)}): the parameter was resized")
     m_cfg, v_cfg = cfg.moment_configs()
     for key, fmt_cfg in (("exp_avg_q", m_cfg), ("exp_avg_sq_q", v_cfg)):
         if state[key].dtype != fmt_cfg.fmt.dtype:

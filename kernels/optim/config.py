@@ -25,7 +25,9 @@ class OptimizerConfig:
     expand_min: the expansion exponent k is a multiple of 1 / expand_min. k_max: cap on k.
     nonfinite: "skip_group" (a group whose gradient holds NaN/Inf keeps its parameters and moments) or "error"
     (the same, then FloatingPointError). backend: "auto" (Triton kernel for CUDA tensors, the C++ step for CPU
-    tensors), "triton" or "torch" (the bit-exact torch reference everywhere)."""
+    tensors), "triton" (needs a power-of-two group_size >= 4) or "torch" (the bit-exact torch reference everywhere).
+    Any group size works with "auto" and "torch": sizes the Triton kernel or the C++ step do not take (the C++ step
+    takes groups of up to 1024 elements) are stepped by the torch reference, with the same results."""
 
     exp_avg_format: str = "e4m3"
     exp_avg_sq_format: str = "e4m3"
@@ -50,6 +52,8 @@ class OptimizerConfig:
         object.__setattr__(self, "k_max", k_max)
         check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         check_choice("backend", self.backend, BACKENDS)
+        if self.backend == "triton" and not triton_supports_group_size(self.group_size):
+            raise ValueError(f"backend='triton' needs a power-of-two group_size >= 4, got {self.group_size}")
 
     @classmethod
     def from_options(cls, options: Mapping | None = None, **overrides) -> "OptimizerConfig":
@@ -68,6 +72,13 @@ class OptimizerConfig:
         """The quantizers of exp_avg and exp_avg_sq (a nonzero second moment never rounds to code 0)."""
         return _moment_configs(self.exp_avg_format, self.expand_exp_avg, self.exp_avg_sq_format,
                                self.expand_exp_avg_sq, self.expand_min, self.k_max)
+
+
+def triton_supports_group_size(group_size: int) -> bool:
+    """The Triton kernels take power-of-two groups of at least 4 elements (backend="auto" steps other group sizes
+    of CUDA tensors with the torch reference; the CPU step takes any)."""
+    return group_size >= 4 and group_size & (group_size - 1) == 0
+
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(OptimizerConfig))

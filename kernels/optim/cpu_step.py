@@ -87,13 +87,47 @@ _BOUNDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layout -> (s
 
 
 def _bounds(layout: GroupLayout):
+    """(starts, lengths) of the layout's groups, checked once per layout to lie inside its numel elements."""
     bounds = _BOUNDS.get(layout)
     if bounds is None:
         starts, lengths = layout.group_bounds()
-        if len(lengths) and int(lengths.max()) > library().coat_max_group():
-            raise ValueError(f"the CPU step supports groups of at most {library().coat_max_group()} elements")
+        if len(starts) != layout.num_groups or len(starts) and (
+                int(starts.min()) < 0 or int(lengths.min()) < 1 or int((starts + lengths).max()) > layout.numel):
+            raise ValueError(f"a GroupLayout whose groups do not lie inside its {layout.numel} elements (or are not "
+                             f"{layout.num_groups}): build it with coat_kernels.optim.grouping.build_layout")
         bounds = _BOUNDS[layout] = (starts.contiguous(), lengths.contiguous())
     return bounds
+
+
+def _check_step_arguments(param, grad, m_codes, m_meta, v_codes, v_meta, layout: GroupLayout) -> None:
+    """O(1) checks before the library touches memory: every tensor on the CPU and as large as the layout says (FP8
+    codes [numel], fp32 metadata [3, n_groups]); ValueError naming the argument otherwise."""
+    n, groups = layout.numel, layout.num_groups
+    meta_shape = (3, groups)
+    try:  # the common case in one expression (this runs on every step of every tensor)
+        if (param.is_cpu and grad.is_cpu and m_codes.is_cpu and m_meta.is_cpu and v_codes.is_cpu and v_meta.is_cpu
+                and param.numel() == n and grad.numel() == n and m_codes.numel() == n and v_codes.numel() == n
+                and m_codes.element_size() == 1 and v_codes.element_size() == 1 and m_codes.is_floating_point()
+                and v_codes.is_floating_point() and m_meta.dtype == torch.float32 and v_meta.dtype == torch.float32
+                and m_meta.shape == meta_shape and v_meta.shape == meta_shape):
+            return
+    except AttributeError:
+        pass
+    for name, t in (("param", param), ("grad", grad), ("m_codes", m_codes), ("m_meta", m_meta),
+                    ("v_codes", v_codes), ("v_meta", v_meta)):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            raise ValueError(f"the CPU step needs CPU tensors; {name} is "
+                             f"{t.device if isinstance(t, torch.Tensor) else type(t).__name__}")
+    for name, t in (("param", param), ("grad", grad)):
+        if t.numel() != n:
+            raise ValueError(f"the CPU step: {name} has {t.numel()} elements, the layout {n}")
+    for name, t in (("m_codes", m_codes), ("v_codes", v_codes)):
+        if t.element_size() != 1 or not t.is_floating_point() or t.numel() != n:
+            raise ValueError(f"the CPU step: {name} must be {n} FP8 codes, got {t.dtype} {tuple(t.shape)}")
+    for name, t in (("m_meta", m_meta), ("v_meta", v_meta)):
+        if t.dtype != torch.float32 or tuple(t.shape) != (3, groups):
+            raise ValueError(f"the CPU step: {name} must be torch.float32 (3, {groups}) for the layout's {groups} "
+                             f"groups, got {t.dtype} {tuple(t.shape)}")
 
 
 def _moment_args(cfg: DREConfig):
@@ -111,9 +145,13 @@ def _ptr(t: torch.Tensor):
 
 def fused_adamw_step(param, grad, m_codes, m_meta, v_codes, v_meta, layout: GroupLayout, h: AdamWScalars,
                      m_cfg: DREConfig, v_cfg: DREConfig, skip_nonfinite: bool = True) -> torch.Tensor:
-    """dre_reference.fused_adamw_step, for CPU tensors (see the module docstring)."""
+    """dre_reference.fused_adamw_step, for CPU tensors (see the module docstring). Tensors that do not fit the
+    layout raise ValueError before anything is read. The torch reference steps what the library does not take:
+    parameters other than fp32 / bf16, non-contiguous tensors, groups larger than the library's limit
+    (`coat_max_group`, 1024 elements) and any step when the library cannot be built; the results are the same bits."""
+    _check_step_arguments(param, grad, m_codes, m_meta, v_codes, v_meta, layout)
     lib = library()
-    if lib is None or param.dtype not in _PARAM_KINDS or not all(
+    if lib is None or param.dtype not in _PARAM_KINDS or layout.group_size > lib.coat_max_group() or not all(
             t.is_contiguous() for t in (param, m_codes, m_meta, v_codes, v_meta)):
         return reference.fused_adamw_step(param, grad, m_codes, m_meta, v_codes, v_meta, layout, h, m_cfg, v_cfg,
                                           skip_nonfinite)

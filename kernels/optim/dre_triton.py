@@ -20,6 +20,7 @@ import triton.language as tl
 from ..formats import get_format
 from ..portable_math import exp2_p, fma_p, log2_p
 from ..triton_fp8 import INTERPRET, to_e4m3, to_e5m2
+from .config import triton_supports_group_size
 from .dre_reference import LOG2_RATIO_EPS, AdamWScalars, DREConfig, f32
 from .grouping import GroupLayout
 
@@ -331,7 +332,7 @@ _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.
 
 
 def supports_group_size(group_size: int) -> bool:
-    return group_size >= 4 and group_size & (group_size - 1) == 0
+    return triton_supports_group_size(group_size)
 
 
 def launch_shape(group_size: int) -> tuple[int, int]:

@@ -55,7 +55,8 @@ def export(codes: torch.Tensor, meta: torch.Tensor, layout: GroupLayout, cfg: DR
 
 def quantized_equal(codes_a, meta_a, codes_b, meta_b) -> bool:
     """Same metadata bits and same code values (the sign of a zero code aside)."""
-    same_codes = torch.equal(_zero_sign_dropped(codes_a.view(torch.uint8)), _zero_sign_dropped(codes_b.view(torch.uint8)))
+    same_codes = torch.equal(_zero_sign_dropped(codes_a.view(torch.uint8)),
+                             _zero_sign_dropped(codes_b.view(torch.uint8)))
     return same_codes and torch.equal(meta_a.view(torch.int32), meta_b.view(torch.int32))
 
 
@@ -67,11 +68,14 @@ def _anchor_groups(x, raw, valid, meta, cfg):
     code_max = mag.amax(dim=1)
     nonzero_groups = code_max > 0
     if cfg.expand:
-        big, small, small_code, found = _solve_extremes(meta, code_max, cfg, NARROW, NARROW)
+        # one element at the largest code (a 1-element group, or one nonzero element): if m' has that code too,
+        # that element carries both M' and m'
+        single_max = (valid & (mag == code_max[:, None])).sum(dim=1) == 1
+        big, small, small_code, found = _solve_extremes(meta, code_max, single_max, cfg, NARROW, NARROW)
         for widths in ((WIDE, NEIGHBOURS), (NEIGHBOURS, WIDE)):  # log2 M (or log2 m) near 0: finer than log2 c
             retry = (~found).nonzero()[:, 0]
             if len(retry):
-                found_now = _solve_extremes(meta[:, retry], code_max[retry], cfg, *widths)
+                found_now = _solve_extremes(meta[:, retry], code_max[retry], single_max[retry], cfg, *widths)
                 for out, new in zip((big, small, small_code, found), found_now):
                     out[retry] = new
     else:  # k = 1, log2 c = 0: log2(sQ) is log2 M itself
@@ -100,10 +104,12 @@ def _signed(magnitude, negative):
     return torch.where(negative, -magnitude[:, None], magnitude[:, None])
 
 
-def _solve_extremes(meta, code_max, cfg, width_big, width_small):
+def _solve_extremes(meta, code_max, single_max, cfg, width_big, width_small):
     """Per group, fp32 M' and m' whose log2 values give the metadata (k, log2 c, log2(sQ)) through
     dre_reference.group_params, M' encoding to the group's largest code: (M', m', m's code magnitude, found).
-    Candidates: `width_*` fp32 neighbours on each side of the values whose log2 is log2 c +- log2(sQ)/k."""
+    Candidates: `width_*` fp32 neighbours on each side of the values whose log2 is log2 c +- log2(sQ)/k.
+    single_max [n]: the group has one element at its largest code; an m' at that code is then carried by the same
+    element as M', so log2 m' must equal log2 M'."""
     k, log2_center, log2_scale_q = meta
     half_range = log2_scale_q / k
     big, big_ok, _, a = _preimages(log2_center + half_range, width_big, meta, cfg, code_max)  # [n, A]
@@ -115,6 +121,8 @@ def _solve_extremes(meta, code_max, cfg, width_big, width_small):
     k_new = torch.where(ratio <= LOG2_RATIO_EPS, 1.0, k_new.clamp(cfg.inv_expand_min, f32(cfg.k_max)))
     good = ((a3 + b3) * 0.5 == lc) & (kc * (a3 - lc) == ls) & (k_new == kc) & (a3 >= b3)
     good &= big_ok[:, :, None] & small_ok[:, None, :]
+    shared = single_max[:, None] & (small_code == code_max[:, None])  # [n, B]
+    good &= (a3 == b3) | ~shared[:, None, :]
     flat = good.flatten(1)
     pick = flat.int().argmax(dim=1)
     i, j = pick // b.shape[1], pick % b.shape[1]

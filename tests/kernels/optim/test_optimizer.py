@@ -293,7 +293,7 @@ def test_migration_to_torch_adamw_and_back():
         opt.step()
     sd = opt.torch_adamw_state_dict()
     assert all(set(e) == {"step", "exp_avg", "exp_avg_sq"} for e in sd["state"].values())
-    assert "exp_avg_format" not in sd["param_groups"][0]
+    assert sd["param_groups"][0]["exp_avg_sq_format"] == "e5m2"  # the options travel with the groups
 
     adamw_model = model_and_grads(0)
     adamw_model.load_state_dict(model.state_dict())
@@ -328,3 +328,18 @@ def test_migration_to_torch_adamw_and_back():
     assert all(s["exp_avg_q"].dtype == torch.float8_e4m3fn and "exp_avg" not in s for s in into_coat.state.values())
     set_grads(adamw_model, 4)
     into_coat.step()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a CPU-only machine gives")
+def test_triton_backend_on_a_cpu_says_what_to_use_instead():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom coat_kernels.optim import CoatFP8AdamW\n"
+            "p = torch.nn.Parameter(torch.randn(256))\nopt = CoatFP8AdamW([p], backend='triton')\n"
+            "p.grad = torch.randn(256)\nopt.step()")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0
+    assert "backend='auto'" in proc.stderr and "TRITON_INTERPRET=1" in proc.stderr, proc.stderr[-2000:]
