@@ -34,6 +34,9 @@ MODELS = {
     # ~3B: Llama hidden 3072 (e.g. Llama-3.2-3B's width), 26 layers, GQA 24/8
     "llama-3b": dict(vocab_size=32000, hidden_size=3072, intermediate_size=8192, num_hidden_layers=26,
                      num_attention_heads=24, num_key_value_heads=8),
+    # Llama-2-7B shape (32 layers, hidden 4096, 32 heads, MHA, SwiGLU 11008)
+    "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2),
 }
