@@ -3,17 +3,26 @@
 `fused_adamw_step` has `dre_reference.fused_adamw_step`'s signature and results (the same bits: parameters, codes,
 metadata, skipped groups). The library is built with the system C++ compiler (`-O3 -march=native -ffp-contract=off
 -fopenmp`: vectorized for this CPU, no fused multiply-add but the explicit ones; on CPUs with AVX-512 VBMI the source
-selects its intrinsics path, elsewhere its portable one) into ~/.cache/coat_fp8 (a temporary directory when that is
-not writable), keyed by the source, the flags and the compiler, and loaded through ctypes; a build takes a few seconds
-once per machine. Without a working compiler the step falls back to the torch reference, with one warning. Threads:
-torch.get_num_threads().
+selects its intrinsics path, elsewhere its portable one) and loaded through ctypes; a build takes a few seconds, once
+per cache folder and CPU. The source ships inside the package (package data), so installed wheels build it too.
+
+Cache: one file per source, flags, compiler version and target CPU (what `-march=native` resolves to on this host,
+as the compiler reports it), so hosts with different CPUs that share a home directory never load each other's
+library. Its folder is resolved once per process: `$COAT_FP8_CACHE_DIR` when set (it must be writable), else
+`$XDG_CACHE_HOME/coat_fp8` or `~/.cache/coat_fp8`, else, when that cannot be written, a private per-user folder in
+the system temporary directory (`coat_fp8-<uid>`, mode 700). Without a compiler, with a failed build or without a
+writable cache folder, the step falls back to the torch reference, with one warning that names the reason.
+Threads: torch.get_num_threads().
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
 import os
+import re
+import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 import warnings
@@ -29,39 +38,139 @@ from .grouping import GroupLayout
 
 SOURCE = Path(__file__).with_name("cpu_adamw.cpp")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+CACHE_DIR_VARIABLE = "COAT_FP8_CACHE_DIR"
 _PARAM_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 _GRAD_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _cache_dir() -> Path:
-    home = Path.home() / ".cache" / "coat_fp8"
+def _writable_dir(path: Path) -> Path:
+    """path, created if needed; raises OSError when it cannot be written."""
+    path.mkdir(parents=True, exist_ok=True)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(f"{path} is not writable")
+    return path
+
+
+def _private_temp_dir() -> Path:
+    """`coat_fp8-<uid>` in the system temporary directory: created with mode 700; refused unless it is a real folder
+    of this user that nobody else can write (a shared /tmp must not hand us someone else's library)."""
+    if not hasattr(os, "getuid"):
+        raise OSError("no per-user temporary folder on this platform")
+    path = Path(tempfile.gettempdir()) / f"coat_fp8-{os.getuid()}"
     try:
-        home.mkdir(parents=True, exist_ok=True)
-        if os.access(home, os.W_OK):
-            return home
-    except OSError:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
         pass
-    return Path(tempfile.gettempdir())
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise PermissionError(f"{path} is not a private folder of this user (a link, another owner, or writable by "
+                              "others)")
+    return _writable_dir(path)
 
 
-def build(compiler: str | None = None, extra_flags: tuple[str, ...] = (), source: Path = SOURCE) -> Path:
-    """Compile the library (if not cached) and return its path; raises on failure. extra_flags: appended to FLAGS
-    (the tests build the portable implementation alone with "-DCOAT_PORTABLE"); source: another version of the
-    file (benchmarks compare versions)."""
-    compiler = compiler or shutil.which("g++") or shutil.which("c++")
+@lru_cache(maxsize=1)
+def default_cache_dir() -> Path:
+    """The folder for built libraries (see the module docstring); resolved once per process. Raises RuntimeError,
+    naming the folders tried, when none can be written."""
+    chosen = os.environ.get(CACHE_DIR_VARIABLE)
+    if chosen:
+        try:
+            return _writable_dir(Path(chosen).expanduser())
+        except OSError as exc:
+            raise RuntimeError(f"{CACHE_DIR_VARIABLE}={chosen} cannot hold the compiled library ({exc}); point it "
+                               "to a writable folder") from None
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    home = (Path(xdg) if xdg else Path.home() / ".cache") / "coat_fp8"
+    try:
+        return _writable_dir(home)
+    except OSError as home_error:
+        try:
+            return _private_temp_dir()
+        except OSError as temp_error:
+            raise RuntimeError(f"no writable cache folder for the compiled library ({home_error}; {temp_error}); "
+                               f"set {CACHE_DIR_VARIABLE} to a writable folder") from None
+
+
+def find_compiler() -> str:
+    """The system C++ compiler (g++, else c++); raises RuntimeError when there is none."""
+    compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
-    flags = (*FLAGS, *extra_flags)
+    return compiler
+
+
+def parse_target(dry_run: str) -> tuple[str, ...]:
+    """The target CPU options in a compiler's `-###` output, as they reach the compiler proper: gcc's -march=<cpu>
+    and -m<feature>/-mno-<feature> options (-march=native expanded), clang's -target-cpu and -target-feature
+    pairs. Tuning (-mtune, cache-size parameters) is left out: it changes speed, never which instructions run."""
+    for line in dry_run.splitlines():
+        try:
+            tokens = shlex.split(line)
+        except ValueError:
+            continue
+        if "-cc1" in tokens:  # clang
+            target = [f"{t} {v}" for t, v in zip(tokens, tokens[1:]) if t in ("-target-cpu", "-target-feature")]
+        elif tokens and Path(tokens[0]).name.startswith("cc1"):  # gcc: cc1, cc1plus
+            target = [t for t in tokens if t.startswith("-m") and not t.startswith("-mtune=")]
+        else:
+            continue
+        if target:
+            return tuple(target)
+    return ()
+
+
+def native_target(compiler: str, flags: tuple[str, ...] = FLAGS) -> tuple[str, ...]:
+    """What the target options in flags (-march=native) resolve to on this host, as the compiler reports it (a
+    `-###` dry run: nothing is compiled). Raises RuntimeError when the compiler does not say."""
+    proc = subprocess.run([compiler, *flags, "-###", "-E", "-x", "c++", os.devnull], capture_output=True, text=True,
+                          timeout=60)
+    target = parse_target(proc.stderr)
+    if proc.returncode != 0 or not target:
+        raise RuntimeError(f"{compiler} did not say which CPU {' '.join(flags)} targets on this host, so the library "
+                           f"cannot be cached safely:\n{proc.stderr[-2000:]}")
+    return target
+
+
+def library_name(source_text: bytes, flags: tuple[str, ...], compiler_version: str, target: tuple[str, ...]) -> str:
+    """The cache file name: the target CPU's name (for people reading the folder) and a hash of everything that
+    decides the library's bytes and where it may run."""
+    key = hashlib.sha256(b"\0".join([source_text, " ".join(flags).encode(), compiler_version.encode(),
+                                     "\n".join(target).encode()])).hexdigest()[:16]
+    cpu = next((t.split("=", 1)[1] for t in target if t.startswith("-march=")), None)
+    cpu = cpu or next((t.split(" ", 1)[1] for t in target if t.startswith("-target-cpu ")), "cpu")
+    return f"coat_cpu_adamw-{re.sub(r'[^A-Za-z0-9_.-]', '_', cpu)}-{key}.so"
+
+
+def cached_path(compiler: str, flags: tuple[str, ...], source: Path = SOURCE, cache_dir: Path | None = None) -> Path:
+    """Where the library that compiler builds from source with flags for this host's CPU is cached (nothing is
+    compiled); cache_dir: default default_cache_dir()."""
+    source = Path(source)
+    if not source.is_file():
+        raise RuntimeError(f"{source} is missing (coat-fp8 installed without its package data? reinstall it)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(Path(source).read_bytes() + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
-    path = _cache_dir() / f"coat_cpu_adamw-{key}.so"
+    name = library_name(source.read_bytes(), flags, version, native_target(compiler, flags))
+    return (_writable_dir(Path(cache_dir)) if cache_dir is not None else default_cache_dir()) / name
+
+
+def build(compiler: str | None = None, extra_flags: tuple[str, ...] = (), source: Path = SOURCE,
+          cache_dir: Path | None = None) -> Path:
+    """Compile the library (if not cached) and return its path; raises on failure. extra_flags: appended to FLAGS
+    (the tests build the portable implementation alone with "-DCOAT_PORTABLE"); source: another version of the
+    file (benchmarks compare versions); cache_dir: where the library is kept (default: default_cache_dir())."""
+    compiler = compiler or find_compiler()
+    flags = (*FLAGS, *extra_flags)
+    path = cached_path(compiler, flags, source, cache_dir)
     if not path.exists():
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        proc = subprocess.run([compiler, *flags, str(source), "-o", str(tmp)], capture_output=True, text=True,
-                              timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"building {Path(source).name} failed:\n{proc.stderr[-2000:]}")
-        os.replace(tmp, path)  # atomic: concurrent builds (several ranks) each produce the same file
+        scratch = tempfile.mkdtemp(prefix=".build-", dir=path.parent)  # private to this build: no clash between
+        try:                                                            # processes or hosts building one file
+            built = Path(scratch, path.name)
+            proc = subprocess.run([compiler, *flags, str(source), "-o", str(built)], capture_output=True, text=True,
+                                  timeout=300)
+            if proc.returncode != 0:
+                raise RuntimeError(f"building {Path(source).name} with {compiler} failed:\n{proc.stderr[-2000:]}")
+            os.replace(built, path)  # atomic: concurrent builds of one file each produce the same bytes
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     return path
 
 
@@ -74,10 +183,11 @@ def load(path: Path):
 
 @lru_cache(maxsize=1)
 def library():
-    """The loaded library, or None (the build failed: one warning, and the reference is used)."""
+    """The loaded library, or None (it cannot be built or loaded: one warning naming why, and the reference is
+    used)."""
     try:
         return load(build())
-    except Exception as exc:  # no compiler, a failed build or load: the reference still works
+    except Exception as exc:  # no compiler, no source, no cache folder, a failed build or load: the reference works
         warnings.warn(f"coat-fp8: the fast CPU optimizer step is unavailable ({exc}); CPU tensors use the torch "
                       "reference step (same results, much slower)", RuntimeWarning, stacklevel=2)
         return None
