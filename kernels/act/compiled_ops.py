@@ -15,8 +15,8 @@ The values are those of the eager blocks: a cached weight is the same quantizati
 amax of the same tensor, so a compiled model computes the eager model's bits wherever the same kernels run.
 
 An output a block does not produce (the residual stream without a residual, LayerNorm's mean for RMSNorm, the input
-copy of fp8_linear with reuse_input, a gradient nobody needs) is an empty uint8 tensor: custom ops return tensors
-only.
+copy of fp8_linear with reuse_input, a gradient nobody needs) is an empty uint8 tensor (custom ops return tensors
+only; an integer tensor is never differentiable).
 """
 from __future__ import annotations
 
@@ -154,9 +154,10 @@ def _(dy, saved_x, x_scale, w_scale, weights, reuse_input, need_dx, need_dw, bia
     return _gemm_grads_fake(dy, weights, need_dx, need_dw, bias_dtype)
 
 
-def _gemm_grads_fake(dy, weights, need_dx, need_dw, bias_dtype, dx_dtype=None):
+def _gemm_grads_fake(dy, weights, need_dx, need_dw, bias_dtype):
+    """Fake (dgrad, wgrad, bias gradient) of _gemm_backward."""
     n, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
-    dx = dy.new_empty(_rows(dy), k, dtype=dx_dtype or dy.dtype) if need_dx else _absent(dy)
+    dx = dy.new_empty(_rows(dy), k) if need_dx else _absent(dy)
     dw = weights[0].new_empty(n, k) if need_dw else _absent(dy)
     db = dy.new_empty(n, dtype=bias_dtype) if bias_dtype is not None else _absent(dy)
     return dx, dw, db
@@ -279,11 +280,9 @@ def _(dout, dres, q, e, mean, rstd, norm_weight, norm_bias, y_scale, w_scale, we
 
 
 def _norm_linear_setup(ctx, inputs, output):
-    x, residual, norm_weight, norm_bias, weights, bias, norm, _, zero_centered, residual_out, use_triton, _ = inputs
-    out, h, q, e, mean, rstd, y_scale, w_scale = output
+    x, residual, norm_weight, norm_bias, weights, bias, norm, _, zero_centered, _, use_triton, _ = inputs
+    out, _, q, e, mean, rstd, y_scale, w_scale = output
     ctx.mark_non_differentiable(q, e, mean, rstd, y_scale, w_scale)
-    if residual is None and not residual_out:
-        ctx.mark_non_differentiable(h)
     _keep_grads(ctx)
     ctx.save_for_backward(q, e, mean if norm == "layernorm" else None, rstd, norm_weight, norm_bias, y_scale,
                           w_scale, *weights)
@@ -503,10 +502,8 @@ def _(dout, dres, q, e, mean, rstd, norm_weight, norm_bias, y_scale, w1_scale, q
 
 def _norm_mlp_setup(ctx, inputs, output):
     x, residual, norm_weight, norm_bias, w1, b1, w2, b2, norm, _, zero_centered, use_triton, _ = inputs
-    out, h, q, e, mean, rstd, y_scale, w1_scale, qa, ea, p_scale, w2_scale = output
+    out, _, q, e, mean, rstd, y_scale, w1_scale, qa, ea, p_scale, w2_scale = output
     ctx.mark_non_differentiable(q, e, mean, rstd, y_scale, w1_scale, qa, ea, p_scale, w2_scale)
-    if residual is None:
-        ctx.mark_non_differentiable(h)
     _keep_grads(ctx)
     ctx.save_for_backward(q, e, mean if norm == "layernorm" else None, rstd, norm_weight, norm_bias, y_scale,
                           w1_scale, qa, ea, p_scale, w2_scale, w2, *w1)
