@@ -2,8 +2,6 @@
 `transformers` releases pass under two names."""
 from __future__ import annotations
 
-import dataclasses
-
 import torch.nn.functional as F
 
 from coat_kernels.act.lm_loss import DEFAULT_CHUNK_TOKENS, chunked_lm_loss
@@ -22,9 +20,9 @@ def kv_cache_of(kwargs):
 
 
 def cache_field(output_class) -> str:
-    """The name of the KV-cache field of a transformers ModelOutput class."""
-    names = {f.name for f in dataclasses.fields(output_class)}
-    return next(n for n in CACHE_NAMES if n in names)
+    """The name of the KV-cache field of a transformers ModelOutput class (read from the class's dataclass fields
+    mapping, which torch.compile traces; dataclasses.fields of a class breaks its graph)."""
+    return next(n for n in CACHE_NAMES if n in output_class.__dataclass_fields__)
 
 
 class CoatCausalLM:

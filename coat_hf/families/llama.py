@@ -12,8 +12,10 @@ def rotary(attn, qkv, b, s, position_embeddings, state):
     cfg = attn.config
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
     cos, sin = position_embeddings
-    # [1 or b, s, d] (cat(freqs, freqs)) -> fp32 [s or b*s, d/2]: token t of the flat batch uses row t % rows
-    tables = [t[..., : d // 2].reshape(-1, d // 2).float().contiguous() for t in (cos, sin)]
+    # [1 or b, s, d] (cat(freqs, freqs)) -> [s or b*s, d/2]: token t of the flat batch uses row t % rows. The tables
+    # stay in Hugging Face's dtype (the RoPE kernel reads them as fp32): a conversion here would let torch.compile
+    # fuse it with the tables' computation and skip their rounding to that dtype, which eager applies
+    tables = [t[..., : d // 2].reshape(-1, d // 2).contiguous() for t in (cos, sin)]
     q, k, v = rope_split(qkv, *tables, d, hkv, state.config.use_triton(qkv), handoff=state.runtime.handoff,
                          tickets=state.runtime.tickets)
     q = q.view(b, s, hq, d).transpose(1, 2)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import E4M3
+from . import compiled_ops
 from . import norm as norm_ops
 from . import pointwise, swiglu
 from .block_parts import (DEFAULT_CONFIG, block_env, keep_weights, linear_backward, norm_input_grad, norm_to_fp8,
@@ -82,6 +83,8 @@ def fp8_linear(x, weight, bias=None, *, config: ActivationConfig | None = None, 
     """y = x @ weight.T + bias with E4M3 x E4M3 per-tensor GEMMs (weight: a tensor or row blocks of one).
     reuse_input=True saves x itself (no new memory when x is kept anyway, e.g. the attention output) and
     re-quantizes it in backward."""
+    if torch.compiler.is_compiling():
+        return compiled_ops.fp8_linear(x, weight, bias, config, reuse_input)
     return _Fp8Linear.apply(x, bias, usable_cache(weight_cache, config, runtime), reuse_input, block_env(x, config, runtime),
                             *as_pieces(weight).tensors)
 
@@ -136,6 +139,9 @@ def fp8_norm_linear(x, norm_weight, norm_bias, weight, bias=None, *, norm="rmsno
     residual_out=True returns (y, x'): x' is x (a view of it) to use as the residual stream; the gradient that
     reaches x' is added to the norm's input gradient inside the norm-backward kernel, instead of autograd adding
     the two gradients of x in a separate pass."""
+    if torch.compiler.is_compiling():
+        return compiled_ops.fp8_norm_linear(x, None, norm_weight, norm_bias, weight, bias, norm, eps,
+                                            zero_centered_gamma, residual_out, config)
     return _Fp8NormLinear.apply(x, None, norm_weight, norm_bias, bias, usable_cache(weight_cache, config, runtime), norm, eps,
                                 zero_centered_gamma, residual_out, block_env(x, config, runtime), *as_pieces(weight).tensors)
 
@@ -145,6 +151,9 @@ def fp8_add_norm_linear(x, residual, norm_weight, norm_bias, weight, bias=None, 
                         runtime: CoatRuntime | None = None, weight_cache: WeightCache | None = None):
     """h = x + residual (BF16), y = linear(norm(h)) -> (y, h). One kernel writes h, its E4M3 1x16 copy (saved) and
     the norm's statistics; backward adds h's incoming gradient inside the norm-backward kernel."""
+    if torch.compiler.is_compiling():
+        return compiled_ops.fp8_norm_linear(x, residual, norm_weight, norm_bias, weight, bias, norm, eps,
+                                            zero_centered_gamma, False, config)
     return _Fp8NormLinear.apply(x, residual, norm_weight, norm_bias, bias, usable_cache(weight_cache, config, runtime), norm,
                                 eps, zero_centered_gamma, False, block_env(x, config, runtime), *as_pieces(weight).tensors)
 
@@ -189,6 +198,8 @@ def fp8_swiglu_linear(x, weight, bias=None, *, config: ActivationConfig | None =
                       runtime: CoatRuntime | None = None, weight_cache: WeightCache | None = None):
     """linear(silu(gate) * up), [gate | up] = x.chunk(2, -1): saves gate/up as E4M3 1x16 and recomputes the
     product (and its transposed FP8 copy) in backward."""
+    if torch.compiler.is_compiling():
+        return compiled_ops.fp8_swiglu_linear(x, weight, bias, config)
     return _Fp8SwigluLinear.apply(x, bias, usable_cache(weight_cache, config, runtime), block_env(x, config, runtime),
                                   *as_pieces(weight).tensors)
 
@@ -211,6 +222,8 @@ class _Fp8Swiglu(torch.autograd.Function):
 
 def fp8_swiglu(x, *, config: ActivationConfig | None = None):
     """silu(gate) * up with [gate | up] = x.chunk(2, -1); saves x as E4M3 1x16."""
+    if torch.compiler.is_compiling():
+        return compiled_ops.fp8_swiglu(x, config)
     return _Fp8Swiglu.apply(x, block_env(x, config, None))
 
 
@@ -230,9 +243,13 @@ class _Fp8Pointwise(torch.autograd.Function):
 
 def fp8_gelu(x, *, config: ActivationConfig | None = None):
     """GELU (erf form); saves x as E4M3 1x16."""
+    if torch.compiler.is_compiling():
+        return compiled_ops.fp8_act(x, "gelu", config)
     return _Fp8Pointwise.apply(x, "gelu", (config or DEFAULT_CONFIG).use_triton(x))
 
 
 def fp8_silu(x, *, config: ActivationConfig | None = None):
     """SiLU; saves x as E4M3 1x16."""
+    if torch.compiler.is_compiling():
+        return compiled_ops.fp8_act(x, "silu", config)
     return _Fp8Pointwise.apply(x, "silu", (config or DEFAULT_CONFIG).use_triton(x))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import E4M3, E5M2
+from . import compiled_ops
 from . import norm as norm_ops
 from . import swiglu
 from .config import ActivationConfig
@@ -123,6 +124,9 @@ def fp8_norm_swiglu_mlp(x, norm_weight, norm_bias, fc1_weight, fc2_weight, fc1_b
                         fc1_cache: WeightCache | None = None, fc2_cache: WeightCache | None = None):
     """fc2(silu(gate) * up), [gate | up] = fc1(norm(h)), h = x (+ residual). Returns y, or (y, h) with a residual
     (h as in fp8_add_norm_linear). fc1_weight may be row blocks, e.g. (gate_proj.weight, up_proj.weight)."""
+    if torch.compiler.is_compiling():
+        return compiled_ops.fp8_norm_swiglu_mlp(x, norm_weight, norm_bias, fc1_weight, fc2_weight, fc1_bias, fc2_bias,
+                                                residual, norm, eps, zero_centered_gamma, config)
     return _Fp8NormMLP.apply(x, residual, norm_weight, norm_bias, fc1_bias, fc2_weight, fc2_bias,
                              usable_cache(fc1_cache, config, runtime), usable_cache(fc2_cache, config, runtime), norm, eps,
                              zero_centered_gamma, block_env(x, config, runtime), *as_pieces(fc1_weight).tensors)

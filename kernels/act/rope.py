@@ -201,6 +201,9 @@ def rope_split(qkv, cos, sin, head_dim, kv_heads, use_triton: bool, *, layout: s
     if not isinstance(rows_per_position, int) or rows_per_position < 1:
         raise ValueError(f"rows_per_position must be a positive int, got {rows_per_position!r}")
     lay = QKVLayout(layout, q_heads, kv_heads, head_dim)
+    if torch.compiler.is_compiling():
+        from .compiled_ops import rope_split as compiled_rope_split  # compiled_ops imports this module
+        return compiled_rope_split(qkv, cos, sin, head_dim, kv_heads, use_triton, layout, rows_per_position)
     return _RopeSplit.apply(qkv, cos, sin, lay, rows_per_position, use_triton, handoff, tickets)
 
 
