@@ -19,15 +19,15 @@ What a replay needs and how it is kept right:
   never backpropagated and is still referenced) runs eagerly instead, so no live result is overwritten.
 - Memory the graphs keep: what the forward saves for backward (kept from capture on, where eager frees it after each
   backward), the input/output/gradient buffers, and the parameter gradient buffers of the backward graph (the size of
-  the layer's parameters, which become `.grad`). Graphs of all layers of a model share one `GraphPool`.
+  the layer's parameters). Graphs of all layers of a model share one `GraphPool`.
 - Capture runs `warmup` eager forward + backward passes first (on a side stream, `torch.autograd.grad`, so nothing is
   accumulated into `.grad`), then captures the forward and the backward on one capture stream. During capture the
   module's parameters are replaced by aliases (same storage), so the captured autograd graph holds no node of the
   real parameters: their gradient accumulation (and any hook an engine put on it) runs on the stream of the eager
   backward.
-- The parameter gradients handed to autograd are views of the backward graph's buffers: where `.grad` is None,
-  autograd adopts them (no copy); before a replay, a `.grad` that still is such a buffer (accumulation over
-  micro-batches without zeroing) is first replaced by a copy, so the replay never overwrites an accumulated gradient.
+- The gradients handed to autograd are views of the backward graph's buffers that the capture keeps referenced, so
+  autograd copies them into `.grad` (it never adopts a buffer the next replay overwrites): gradient accumulation over
+  micro-batches stays right.
 Only CUDA tensors, with grad enabled, outside another capture; `fn` must not synchronise with the host.
 """
 from __future__ import annotations
@@ -53,13 +53,17 @@ class GraphPool:
             self._handle = torch.cuda.graph_pool_handle()
         return self._handle
 
+    def __getstate__(self):
+        """Copies and pickles start empty (a copied model captures its own graphs in a pool of its own)."""
+        return {"_handle": None, "outputs": {}}
+
 
 @dataclass
 class _Capture:
     inputs: list                # the graph's input buffers (tensors; None where the caller passed None)
     output: torch.Tensor        # the forward graph's output buffer (holds the autograd graph the backward replays)
     grad_output: torch.Tensor   # the backward graph's incoming-gradient buffer
-    grads: tuple                # the gradient buffers, one per input and parameter that requires grad
+    grads: tuple                # views of the gradient buffers, one per input and parameter that requires grad
     needs_grad: tuple           # per input and parameter: whether it gets a gradient
     forward: torch.cuda.CUDAGraph
     backward: torch.cuda.CUDAGraph
@@ -79,7 +83,7 @@ class _Replay(torch.autograd.Function):
                 buf.copy_(t)
         capture.forward.replay()
         capture.replays += 1
-        ctx.capture, ctx.token, ctx.params = capture, _Token(), tensors[n_inputs:]
+        ctx.capture, ctx.token = capture, _Token()
         capture.pending = weakref.ref(ctx.token)
         return capture.output.detach()
 
@@ -89,14 +93,10 @@ class _Replay(torch.autograd.Function):
         capture = ctx.capture
         if grad.data_ptr() != capture.grad_output.data_ptr():
             capture.grad_output.copy_(grad)
-        buffers = {g.data_ptr() for g in capture.grads}
-        for p in ctx.params:  # a gradient still held in a buffer of this graph: keep it out of the replay's way
-            if p.grad is not None and p.grad.data_ptr() in buffers:
-                p.grad = p.grad.clone()
         capture.backward.replay()
         capture.pending = None
         grads = iter(capture.grads)
-        return (None, None) + tuple(next(grads).detach() if needed else None for needed in capture.needs_grad)
+        return (None, None) + tuple(next(grads) if needed else None for needed in capture.needs_grad)
 
 
 @dataclass
@@ -162,7 +162,7 @@ class GraphedLayer:
             raise RuntimeError(f"GraphedLayer: inputs/parameters {unused} requiring grad get no gradient from the "
                                "layer; pass only what the layer uses")
         self.pool.outputs[output.data_ptr()] = output
-        return _Capture(static, output, grad_output, grads, needs_grad, forward, backward)
+        return _Capture(static, output, grad_output, tuple(g.detach() for g in grads), needs_grad, forward, backward)
 
 
 @contextmanager

@@ -46,10 +46,11 @@ def layer_step(layer, x, dy, position_embeddings):
 
 
 def same_or_close(got, expected, deterministic, bound):
-    """Bit-exact where eager itself repeats its bits (then the compiled layer runs the same kernels on the same
-    values); else (attention's backward accumulating with atomics) within `bound`."""
+    """Where eager repeats its own bits, within 1e-4 (the compiled layer runs the same kernels; its last-bit
+    differences, seen up to 5e-7 relative, come from the sums around them in Inductor's order); else (attention's
+    backward accumulating with atomics) within `bound`."""
     for g, e in zip(got, expected):
-        assert torch.equal(g, e) if deterministic else rel(g, e) < bound
+        assert rel(g, e) < (1e-4 if deterministic else bound)
 
 
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
@@ -60,9 +61,9 @@ def test_a_compiled_decoder_layer_gives_eager_coat(mode):
     convert_to_coat(eager_model, ActivationConfig())
     convert_to_coat(model, ActivationConfig())
     eager, layer = eager_model.model.layers[0], model.model.layers[0]
-    opt_eager = torch.optim.SGD(eager.parameters(), lr=1.0)
+    opt_eager = torch.optim.SGD(eager.parameters(), lr=1e-3)
     coat_runtime(eager_model).attach_optimizer(opt_eager)
-    opt = torch.optim.SGD(layer.parameters(), lr=1.0)
+    opt = torch.optim.SGD(layer.parameters(), lr=1e-3)
     compiled = torch.compile(layer, mode=mode, fullgraph=True)
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(2, SEQ, HIDDEN, device="cuda", generator=g).bfloat16()
@@ -72,6 +73,7 @@ def test_a_compiled_decoder_layer_gives_eager_coat(mode):
         expected = layer_step(eager, x, dy, pe)
         deterministic = all(torch.equal(a, b) for a, b in zip(layer_step(eager, x, dy, pe), expected))
         got = layer_step(compiled, x, dy, pe)
+        assert all(torch.isfinite(t.float()).all() for t in expected)
         assert torch.equal(got[0], expected[0])  # forward: the same kernels on the same values
         same_or_close(got[1:], expected[1:], deterministic, 0.02)
         opt_eager.step()
@@ -92,20 +94,23 @@ def loss_and_grads(model, ids):
 
 def test_a_compiled_causal_lm_has_no_graph_break_and_gives_eager_coat():
     """Whole model with the default backend. Inductor also compiles the BF16 parts (embedding, final norm, chunked
-    LM loss) in its own summation order, so the comparison is within bounds well below COAT's FP8 error (relative
-    gradient error against BF16: ~0.1), not bit-exact."""
+    LM loss) in its own summation order; those last-bit differences flip FP8 roundings downstream, so compiled and
+    eager COAT differ by about COAT's own FP8 error. The check: the compiled model's gradients are as close to the
+    BF16 model's as eager COAT's are (within 1.5x + 0.02), and the losses agree."""
     ids = batch(1)
     explained = torch._dynamo.explain(convert_to_coat(llama(), ActivationConfig()))(input_ids=ids, labels=ids)
     assert explained.graph_break_count == 0 and not explained.break_reasons
     torch._dynamo.reset()
+    bf16 = llama()
     eager = convert_to_coat(llama(), ActivationConfig())
     compiled = torch.compile(convert_to_coat(llama(), ActivationConfig()))
     for seed in (1, 2):
-        (l_eager, g_eager), (l_comp, g_comp) = loss_and_grads(eager, batch(seed)), loss_and_grads(compiled,
-                                                                                                  batch(seed))
+        (_, g_bf16), (l_eager, g_eager), (l_comp, g_comp) = (loss_and_grads(m, batch(seed))
+                                                              for m in (bf16, eager, compiled))
         assert abs(l_comp.item() - l_eager.item()) < 1e-3 * l_eager.item()
-        errors = {n: rel(a, b) for (n, _), a, b in zip(eager.named_parameters(), g_comp, g_eager)}
-        assert max(errors.values()) < 0.03, errors
+        worse = {n: (rel(c, b), rel(e, b)) for (n, _), c, e, b in zip(eager.named_parameters(), g_comp, g_eager, g_bf16)
+                 if rel(c, b) > 1.5 * rel(e, b) + 0.02}
+        assert not worse, worse  # name: (compiled vs BF16, eager vs BF16)
 
 
 class Tokens(torch.utils.data.Dataset):

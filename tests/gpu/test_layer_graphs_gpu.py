@@ -76,8 +76,8 @@ def test_graphed_training_matches_eager():
 
 
 def test_gradient_accumulation_over_micro_batches():
-    """.grad adopted from a graph's buffer is moved out of the way before the next replay: accumulating two
-    micro-batches without zeroing sums both."""
+    """Accumulating three micro-batches without zeroing sums all three (no .grad is a buffer the next replay
+    overwrites)."""
     eager, graphed = model_pair()
     g = torch.Generator(device="cuda").manual_seed(3)
     batches = [torch.randint(0, VOCAB, (2, SEQ), device="cuda", generator=g) for _ in range(3)]
