@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from ..formats import get_format
+
 
 def check_gemm_dims(k: int, n: int, what: str):
     if k % 16 or n % 16:
@@ -38,7 +40,7 @@ def fp8_gemm(a: torch.Tensor, b_rows: torch.Tensor, scale_a: torch.Tensor, scale
 def cpu_scaled_mm(a: torch.Tensor, b_rows: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                   out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
     """torch's CPU emulation of `_scaled_mm(a, b_rows.t(), ...)` (the path it takes without AMX), bit for bit."""
-    out = (a.float() * scale_a) @ (b_rows.float() * scale_b).t()
+    out = (get_format(a.dtype).decode(a) * scale_a) @ (get_format(b_rows.dtype).decode(b_rows) * scale_b).t()
     if bias is not None:
         out += bias
     return out.to(out_dtype)

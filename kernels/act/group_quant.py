@@ -67,7 +67,7 @@ def group_quantize_reference(x, fmt="e4m3"):
 
 def group_dequantize_reference(codes, scales, dtype=torch.bfloat16):
     k = codes.shape[-1]
-    c3 = codes.float().reshape(*codes.shape[:-1], k // GROUP, GROUP)
+    c3 = get_format(codes.dtype).decode(codes).reshape(*codes.shape[:-1], k // GROUP, GROUP)
     return (c3 * scales.float()[..., None]).reshape(codes.shape).to(dtype)
 
 
