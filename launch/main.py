@@ -210,7 +210,7 @@ def set_cpu_threads(args, device, omp_num_threads: str | None):
     if args.threads is None and omp_num_threads:
         choice = ThreadChoice(torch.get_num_threads(), f"OMP_NUM_THREADS={omp_num_threads}")
     else:
-        choice = choose_threads(args.threads, None if args.threads else idle_cores(), usable_cores())
+        choice = choose_threads(args.threads, None if args.threads is not None else idle_cores(), usable_cores())
     torch.set_num_threads(choice.threads)
     print(f"CPU threads: {choice.threads} ({choice.reason}; --threads N to choose)", flush=True)
     return choice
@@ -262,7 +262,7 @@ def main(argv=None):
 def report(results, args, device, n_params):
     bf16, coat = results
     gap = (coat.val[-1][1] - bf16.val[-1][1]) / bf16.val[-1][1] * 100
-    lines = [f"| | BF16 + AdamW | COAT (FP8 activations + CoatFP8AdamW) |", "|---|---|---|"]
+    lines = ["| | BF16 + AdamW | COAT (FP8 activations + CoatFP8AdamW) |", "|---|---|---|"]
 
     def row(label, f):
         lines.append(f"| {label} | {f(bf16)} | {f(coat)} |")

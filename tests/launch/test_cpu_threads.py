@@ -1,6 +1,5 @@
 """The main job's CPU thread count (launch/cpu_threads.py): one thread per core left idle by other processes,
 measured from /proc/stat; --threads or OMP_NUM_THREADS win; what was chosen is printed and recorded."""
-import json
 
 import pytest
 import torch
