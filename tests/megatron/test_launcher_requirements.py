@@ -1,10 +1,6 @@
 """What `python -m coat_megatron.pretrain_gpt` says when megatron.training is missing: the install that can work on
-this Python (every megatron-core that ships megatron.training requires Python >= 3.12), and the way out without it."""
-import subprocess
-import sys
-
-import pytest
-
+this Python (every megatron-core that ships megatron.training requires Python >= 3.12), and the way out without it.
+The launcher's exit with this message: tests/megatron/test_megatron.py."""
 from coat_megatron.pretrain_gpt import missing_megatron_training_message
 
 
@@ -18,23 +14,3 @@ def test_python_311_is_told_that_megatron_training_needs_python_312():
 def test_python_312_is_told_to_install_megatron_core_017():
     message = missing_megatron_training_message("No module named 'megatron.training'", "0.16.1", (3, 12))
     assert "pip install 'megatron-core>=0.17'" in message and "this is Python" not in message
-
-
-def test_launcher_without_megatron_training_exits_with_the_message():
-    try:
-        import megatron.training  # noqa: F401
-        pytest.skip("megatron.training is installed here")
-    except ImportError:
-        pass
-    proc = subprocess.run([sys.executable, "-m", "coat_megatron.pretrain_gpt", "--transformer-impl", "coat"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1
-    expected = missing_megatron_training_message("No module named 'megatron.training'", _core_version(),
-                                                 sys.version_info[:2])
-    assert proc.stderr.strip().splitlines()[-1] == expected
-
-
-def _core_version():
-    from megatron.core import __version__
-
-    return __version__
