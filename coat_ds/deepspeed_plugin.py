@@ -49,7 +49,7 @@ def check_engine_config(engine) -> None:
         raise ValueError(
             "CoatFP8AdamW does not support zero_optimization.offload_optimizer.device=nvme: DeepSpeed's optimizer "
             "swapper assumes every state tensor has the parameter's numel and dtype. Use \"device\": \"cpu\" (the step "
-            "then runs on the CPU reference path) or no optimizer offload.")
+            "then runs on the C++ CPU step) or no optimizer offload.")
 
 
 def _guard_engine_config(engine_cls) -> None:

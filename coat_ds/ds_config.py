@@ -10,10 +10,13 @@ more than one micro-batch per step and ZeRO is below stage 3, where the copies w
 fprop_fast_accum, backend, cuda_graphs: coat_kernels.act.ActivationConfig (cuda_graphs: each decoder layer's forward
 and backward replayed as CUDA graphs, for ZeRO-0/1/2; under ZeRO-3 the layers run eagerly); chunked_loss: the LM head
 + cross-entropy in chunks.
-Unknown keys and wrong types are errors naming the valid ones.
+Unknown keys and wrong types are errors naming the valid ones. DeepSpeed ignores top-level keys it does not know, so
+a top-level key that looks like a misspelt "coat" ("COAT", "Coat", "coat_fp8", "coat-config", "caot") is an error
+too: without it the model would train in BF16 without a word.
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 from coat_kernels.act import ActivationConfig
@@ -48,9 +51,29 @@ class CoatSection:
                                 cuda_graphs=self.cuda_graphs)
 
 
+def looks_like_section_name(key) -> bool:
+    """Whether a top-level key other than "coat" reads like a misspelling of it (case, separators, a suffix, a
+    swapped or missing letter)."""
+    if not isinstance(key, str) or key == SECTION:
+        return False
+    folded = "".join(c for c in key.lower() if c.isalnum())
+    return folded.startswith(SECTION) or difflib.SequenceMatcher(None, folded, SECTION).ratio() >= 0.75
+
+
+def check_section_name(ds_config: dict) -> None:
+    """ValueError for top-level keys that look like a misspelt "coat" (DeepSpeed would ignore them silently)."""
+    near = [key for key in ds_config if looks_like_section_name(key)]
+    if near:
+        raise ValueError(f"ds_config has top-level key(s) {near}, which DeepSpeed ignores; did you mean '{SECTION}'? "
+                         f'coat-fp8 reads only "{SECTION}" (lower case), e.g. "{SECTION}": {{"fp8_activations": true}}')
+
+
 def parse_section(ds_config: dict | None) -> CoatSection | None:
-    """The ds_config's "coat" section, validated (None when there is none)."""
-    if not isinstance(ds_config, dict) or SECTION not in ds_config:
+    """The ds_config's "coat" section, validated (None when there is none); a near miss of the name is an error."""
+    if not isinstance(ds_config, dict):
+        return None
+    check_section_name(ds_config)
+    if SECTION not in ds_config:
         return None
     section = ds_config[SECTION]
     if not isinstance(section, dict):

@@ -5,7 +5,8 @@ engines run it through `super().__init__`):
 - before DeepSpeed's own check of the ds_config's optimizer type, a near miss of "CoatFP8AdamW" (a wrong case, a
   typo) fails with the right name instead of DeepSpeed's "is not a supported DeepSpeed Optimizer";
 - the `"coat"` section (coat_ds.ds_config): with `"fp8_activations": true` the model is converted
-  (coat_hf.convert_to_coat) before DeepSpeed wraps and partitions it;
+  (coat_hf.convert_to_coat) before DeepSpeed wraps and partitions it; a top-level key that looks like a misspelt
+  "coat" ("COAT", "coat_fp8", ...) is an error, since DeepSpeed would ignore it;
 - after the engine is built: under ZeRO-1/2 each parameter is linked to its optimizer (DeepSpeed's
   `_create_optimizer_mapping`, which DeepSpeed itself runs only with CPU offload), for
   coat_ds.full_optimizer_state; the converted model's weight-cache clock ticks after every step of the engine's torch

@@ -7,7 +7,8 @@ One launcher for every arm, so data, loss, seed and logging are identical: only 
 every run ends by printing each rank's optimizer-state bytes and peak memory.
 `transformer_engine` and `local` use Megatron's own spec choice; `coat` uses coat_megatron's decoder-block spec.
 Data: `--mock-data`, or Megatron indexed datasets (`--data-path` / per-split paths) through megatron.core.datasets.
-Needs megatron.training, shipped in the megatron-core wheel from 0.17 on (or a Megatron-LM checkout on PYTHONPATH).
+Needs megatron.training (in the megatron-core wheel from 0.17.0 on, which requires Python >= 3.12; or a
+Megatron-LM checkout on PYTHONPATH) and CUDA.
 """
 from __future__ import annotations
 
@@ -21,6 +22,25 @@ import torch
 from .arguments import COAT_IMPL, validate_coat_args
 
 
+MEGATRON_TRAINING_PYTHON = (3, 12)  # megatron-core ships megatron.training from 0.17.0 on, and requires Python 3.12
+
+
+def missing_megatron_training_message(error: str, core_version: str, python: tuple[int, int]) -> str:
+    """What to install when `import megatron.training` fails, for this Python and megatron-core."""
+    if python >= MEGATRON_TRAINING_PYTHON:
+        install = "pip install 'megatron-core>=0.17' (0.17.0 is the first wheel that ships megatron.training)"
+    else:
+        install = (f"megatron-core 0.17.0 is the first wheel that ships megatron.training and it, like every later "
+                   f"release, requires Python >= {MEGATRON_TRAINING_PYTHON[0]}.{MEGATRON_TRAINING_PYTHON[1]} "
+                   f"(this is Python {python[0]}.{python[1]}): use Python 3.12 with pip install "
+                   "'megatron-core>=0.17'")
+    return (f"coat_megatron.pretrain_gpt needs megatron.training, which is missing ({error}); megatron-core "
+            f"{core_version} is installed. {install}, or put a Megatron-LM checkout of the tag matching your "
+            "megatron-core (e.g. core_v0.16.1) on PYTHONPATH. megatron.training also needs CUDA. Without it, the COAT "
+            "layer specs (coat_megatron.get_gpt_decoder_block_coat_spec) work in your own training loop, on CPU "
+            "too: docs/megatron.md, 'Your own training loop'.")
+
+
 def _require_megatron_training():
     try:
         import megatron.training  # noqa: F401
@@ -29,12 +49,7 @@ def _require_megatron_training():
             from megatron.core import __version__ as core_version
         except ImportError:
             core_version = "not installed"
-        raise SystemExit(
-            f"coat_megatron.pretrain_gpt needs megatron.training, which is missing ({exc}). megatron-core "
-            f"{core_version} is installed; megatron.training ships in the megatron-core wheel from 0.17.0 on "
-            "(pip install 'megatron-core>=0.17'), or put a Megatron-LM checkout of the tag matching your "
-            "megatron-core on PYTHONPATH. The COAT layer specs (coat_megatron.get_gpt_decoder_block_coat_spec) "
-            "work without it.") from exc
+        raise SystemExit(missing_megatron_training_message(str(exc), core_version, sys.version_info[:2])) from exc
 
 
 # ---- data -------------------------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ from dataclasses import asdict
 
 import torch
 
-from launch.main import ARMS, add_run_args, build_model, make_arm, prepare_data, resolve_size, run_arm
+from launch.main import (ARMS, add_run_args, build_model, make_arm, prepare_data, resolve_size, run_arm,
+                         set_cpu_threads)
 
 
 def train(argv):
@@ -34,6 +35,8 @@ def train(argv):
     add_run_args(ap, "parity", os.path.join("runs", "parity"))
     args = ap.parse_args(argv)
     device = resolve_size(args)
+    threads = set_cpu_threads(args, device, os.environ.get("OMP_NUM_THREADS"))
+    args.threads = threads.threads if threads else None
     warnings.filterwarnings("ignore", category=UserWarning)
     os.makedirs(args.out, exist_ok=True)
     data, batches, val_batches = prepare_data(args)

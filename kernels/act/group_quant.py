@@ -57,8 +57,9 @@ def group_quantize_reference(x, fmt="e4m3"):
     k = x.shape[-1]
     check_group_dim(k)
     x3 = x.float().reshape(*x.shape[:-1], k // GROUP, GROUP)
-    nonfinite = ~torch.isfinite(x3).all(-1)
-    amax = x3.abs().nan_to_num(0.0, 0.0, 0.0).amax(-1)
+    amax = x3.abs().amax(-1)  # Inf or NaN (amax propagates NaN) exactly where the group holds Inf/NaN
+    nonfinite = ~torch.isfinite(amax)
+    amax = amax.nan_to_num(0.0, 0.0, 0.0)  # those groups' scales are NaN whatever their amax
     scales = encode_group_scale_reference(amax, nonfinite, fmt.max)
     codes = fmt.quantize(x3 / scales.float()[..., None])
     return codes.reshape(x.shape), scales
@@ -66,15 +67,15 @@ def group_quantize_reference(x, fmt="e4m3"):
 
 def group_dequantize_reference(codes, scales, dtype=torch.bfloat16):
     k = codes.shape[-1]
-    c3 = codes.float().reshape(*codes.shape[:-1], k // GROUP, GROUP)
+    c3 = get_format(codes.dtype).decode(codes).reshape(*codes.shape[:-1], k // GROUP, GROUP)
     return (c3 * scales.float()[..., None]).reshape(codes.shape).to(dtype)
 
 
 def amax_partials_reference(x) -> torch.Tensor:
     """The partials of a tensor as one block: fp32 [1], NaN if x holds Inf/NaN."""
     xf = x.float()
-    amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
-    return torch.where(torch.isfinite(xf).all(), amax, torch.full_like(amax, float("nan"))).reshape(1)
+    amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)  # Inf/NaN when x holds one
+    return torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("nan"))).reshape(1)
 
 
 # ------------------------------------------------------------------------------------------------ public ops

@@ -178,7 +178,8 @@ def test_main_job_trains_both_arms_and_writes_table_json_and_png(fake_stdlib, tm
     assert "float8_e4m3fn" in coat["saved_bytes"] and "float8_e4m3fn" not in bf16["saved_bytes"]
     assert sum(coat["saved_bytes"].values()) < sum(bf16["saved_bytes"].values())
     assert coat["optimizer_state_bytes"] < bf16["optimizer_state_bytes"] / 3
-    assert (out / "results.md").read_text().startswith("| | BF16")
+    table = (out / "results.md").read_text()
+    assert table.startswith("| | BF16") and f"CPU, {result['args']['threads']} thread(s): COAT runs" in table
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

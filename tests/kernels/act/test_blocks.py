@@ -459,16 +459,18 @@ def test_small_model_trained_with_fp8_blocks_tracks_bf16():
 
 
 def test_fprop_fast_accumulation_reaches_only_the_forward_gemms(monkeypatch):
-    """ActivationConfig(fprop_fast_accum=True) asks _scaled_mm for fast accumulation in forward GEMMs only (dgrad
+    """ActivationConfig(fprop_fast_accum=True) asks the FP8 GEMM for fast accumulation in forward GEMMs only (dgrad
     and wgrad keep fp32 promotion)."""
+    from coat_kernels.act import functional
+
     calls = []
-    real = torch._scaled_mm
+    real = functional.fp8_gemm
 
-    def recording(*a, use_fast_accum=False, **k):
-        calls.append(use_fast_accum)
-        return real(*a, use_fast_accum=use_fast_accum, **k)
+    def recording(*a, fast_accum=False, **k):
+        calls.append(fast_accum)
+        return real(*a, fast_accum=fast_accum, **k)
 
-    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    monkeypatch.setattr(functional, "fp8_gemm", recording)
     torch.manual_seed(0)
     x = torch.randn(32, 64).bfloat16().requires_grad_()
     w = (torch.randn(48, 64) / 8).bfloat16().requires_grad_()

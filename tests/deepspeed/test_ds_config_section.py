@@ -1,0 +1,57 @@
+"""The ds_config's "coat" section is found or refused, never silently missed: DeepSpeed ignores top-level keys it
+does not know, so a misspelt section name ("COAT", "coat_fp8", ...) would train the model in BF16 without a word.
+coat_ds checks the names when the engine is built (coat_ds.engine_hooks) and answers "did you mean 'coat'"."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from coat_ds.ds_config import parse_section
+
+NEAR_MISSES = ["COAT", "Coat", "coat_fp8", "coat-fp8", "COAT_FP8", "coatfp8", "coat_config", "coats", "caot", "cot",
+               "Coat FP8"]
+DEEPSPEED_KEYS = ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
+                  "scheduler", "zero_optimization", "bf16", "fp16", "gradient_clipping", "checkpoint", "compile",
+                  "comms_logger", "flops_profiler", "activation_checkpointing", "data_types", "steps_per_print",
+                  "wall_clock_breakdown", "tensorboard", "aio", "elasticity", "communication_data_type"]
+
+
+@pytest.mark.parametrize("key", NEAR_MISSES)
+def test_near_miss_section_names_are_errors_with_the_right_name(key):
+    with pytest.raises(ValueError, match=f"top-level key\\(s\\) \\['{key}'\\].*did you mean 'coat'"):
+        parse_section({"train_micro_batch_size_per_gpu": 1, key: {"fp8_activations": True}})
+
+
+def test_a_near_miss_beside_the_real_section_is_an_error_too():
+    with pytest.raises(ValueError, match="did you mean 'coat'"):
+        parse_section({"coat": {"fp8_activations": True}, "Coat": {"fp8_activations": False}})
+
+
+def test_deepspeed_keys_pass_and_a_config_without_the_section_has_none():
+    assert parse_section({key: {} for key in DEEPSPEED_KEYS}) is None
+    section = parse_section({**{key: {} for key in DEEPSPEED_KEYS}, "coat": {"fp8_activations": True}})
+    assert section.fp8_activations
+
+
+def test_misspelt_section_fails_deepspeed_initialize_with_the_hint():
+    """A real engine: deepspeed.initialize with "COAT" instead of "coat" raises before anything is built."""
+    code = ("import os, sys, importlib, torch, deepspeed\n"
+            "importlib.import_module('deepspeed.comm.torch')\n"
+            "sys.modules['deepspeed.comm.torch'].build_shm_op = lambda: None\n"
+            "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='29617', RANK='0', LOCAL_RANK='0',\n"
+            "                  WORLD_SIZE='1')\n"
+            "cfg = {'train_micro_batch_size_per_gpu': 1,\n"
+            "       'optimizer': {'type': 'CoatFP8AdamW', 'params': {'lr': 1e-3}},\n"
+            "       'COAT': {'fp8_activations': True}}\n"
+            "try:\n"
+            "    deepspeed.initialize(model=torch.nn.Linear(16, 16), config=cfg)\n"
+            "    print('built without the section')\n"
+            "except ValueError as exc:\n"
+            "    print('hint' if \"did you mean 'coat'\" in str(exc) else repr(exc))\n"
+            "sys.stdout.flush()\n"
+            "os._exit(0)  # a built engine's process-group teardown can hang at interpreter exit\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "hint", proc.stdout + proc.stderr
