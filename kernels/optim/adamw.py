@@ -106,6 +106,11 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         loaded (a loaded entry's segments must be these)."""
         return None
 
+    def param_gradient(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The gradient a step applies to `param`: `param.grad`. Engines that keep gradients elsewhere (Megatron's
+        precision-aware optimizer: `decoupled_grad`, which may differ from the parameter's dtype) override this."""
+        return param.grad
+
     # ---- public helpers -------------------------------------------------------------------------------------
     @property
     def skipped_groups(self) -> int:
@@ -214,10 +219,11 @@ class CoatFP8AdamW(torch.optim.Optimizer):
     def _prepare_group(self, index, group):
         """(plan, gradients, AdamW scalars per tensor, moment configs) of one group's step, or None without
         gradients; raises (writing nothing) for bad options, tensors or states."""
-        params = [p for p in group["params"] if p.grad is not None]
+        grads = [self.param_gradient(p) for p in group["params"]]
+        params = [p for p, g in zip(group["params"], grads) if g is not None]
         if not params:
             return None
-        grads = [p.grad for p in params]
+        grads = [g for g in grads if g is not None]
         cfg = self.group_config(group)
         _check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         signature = (tuple(map(id, params)), tuple((g.dtype, g.layout, g.shape) for g in grads), cfg)
@@ -276,7 +282,8 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         offset = sum(len(g["params"]) for g in self.param_groups[:index])
         plan = _StepPlan(signature, params, [], [], [], [], [], [])
         for p in params:
-            _check_tensors(p)
+            grad = self.param_gradient(p)
+            _check_tensors(p, grad)
             where = _where(p, index, offset + positions[id(p)])
             state = self.state[p]
             remainder = coat_state.needs_remainder(self.config, p.dtype)
@@ -295,7 +302,7 @@ class CoatFP8AdamW(torch.optim.Optimizer):
             plan.layouts.append(layout)
             plan.updates.append(update)
             plan.wheres.append(where)
-            plan.kernel_keys.append((self._use_triton(p, layout.group_size), p.device, p.dtype, p.grad.dtype,
+            plan.kernel_keys.append((self._use_triton(p, layout.group_size), p.device, p.dtype, grad.dtype,
                                      layout.group_size, remainder))
         return plan
 
@@ -619,8 +626,7 @@ def _check_state_fits(p, state, layout, cfg):
                            f"for {cfg.group_size}; convert with fp32_moments / set_fp32_moments first")
 
 
-def _check_tensors(p):
-    g = p.grad
+def _check_tensors(p, g):
     if g.is_sparse:
         raise RuntimeError("CoatFP8AdamW does not support sparse gradients")
     if p.is_complex() or g.is_complex():

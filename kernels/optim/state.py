@@ -250,8 +250,11 @@ def check_remainder(remainder, numel: int, where: str, device=None) -> None:
     """O(1): a master remainder is an int16 tensor of the tensor's numel elements (any bit pattern is valid)."""
     if not isinstance(remainder, torch.Tensor) or remainder.dtype != master_remainders.REMAINDER_DTYPE or \
             remainder.numel() != numel:
+        hint = (" (torch.optim.AdamW's load_state_dict casts every state tensor to the parameter's dtype, which "
+                "loses the remainders: drop the key to start the masters at the parameters)"
+                if isinstance(remainder, torch.Tensor) and remainder.is_floating_point() else "")
         raise StateError(f"{where}: {REMAINDER_KEY} must be an int16 tensor of {numel} elements (the low halves of "
-                         f"the fp32 master), got {_described(remainder)}")
+                         f"the fp32 master), got {_described(remainder)}{hint}")
     if device is not None and remainder.device != device:
         raise StateError(f"{where}: {REMAINDER_KEY} is on {remainder.device}, the tensor on {device}")
 
