@@ -138,13 +138,24 @@ def moment_configs_of(group: dict) -> tuple[DREConfig, DREConfig]:
     return config_of(group).moment_configs()
 
 
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a state tensor holds: a quantized tensor subclass whose nominal dtype is not what it stores
+    (TransformerEngine's Float8Tensor) is counted by the tensors inside it."""
+    inner = [x for x in (getattr(t, name, None) for name in ("_data", "_transpose", "_scale_inv"))
+             if isinstance(x, torch.Tensor)]
+    if inner:
+        return sum(x.numel() * x.element_size() for x in inner)
+    return t.numel() * t.element_size()
+
+
 def entry_bytes(entry: dict) -> int:
-    return sum(t.numel() * t.element_size() for t in entry.values() if isinstance(t, torch.Tensor))
+    return sum(tensor_bytes(t) for t in entry.values() if isinstance(t, torch.Tensor))
 
 
 def state_report(optimizers: Iterable[torch.optim.Optimizer]) -> dict:
-    """Optimizer-state bytes (every state tensor: moments, their metadata, steps) against the elements of the
-    tensors that hold a state, over one process's torch optimizers (CoatFP8AdamW or any other)."""
+    """Optimizer-state bytes (every state tensor: moments, their metadata, master remainders or master copies,
+    steps) against the elements of the tensors that hold a state, over one process's torch optimizers (CoatFP8AdamW
+    or any other, TransformerEngine's FusedAdam with FP8 moments included)."""
     optimizers = list(optimizers)
     state_bytes = sum(entry_bytes(s) for opt in optimizers for s in opt.state.values())
     numel = sum(p.numel() for opt in optimizers for p in opt.state)

@@ -189,6 +189,34 @@ def test_state_report_counts_the_remainders():
     assert 4.1 < with_remainders["bytes_per_element"] < 4.2
 
 
+class QuantizedState(torch.Tensor):
+    """A tensor subclass that stores 1-byte codes under an fp32 nominal dtype, as TransformerEngine's Float8Tensor."""
+
+    @staticmethod
+    def __new__(cls, codes, scale_inv):
+        t = torch.Tensor._make_wrapper_subclass(cls, codes.shape, dtype=torch.float32)
+        t._data, t._scale_inv = codes, scale_inv
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"{func} on a stand-in quantized state")
+
+
+def test_state_report_counts_quantized_states_by_what_they_store():
+    """TE FusedAdam's FP8 moments (Float8Tensor, nominal fp32) and int16 master remainders, as Megatron's
+    precision-aware optimizer keeps them."""
+    from coat_kernels.optim import state_report
+
+    p = torch.zeros(1000)
+    adam = torch.optim.Adam([p])
+    adam.state[p] = {"exp_avg": QuantizedState(torch.zeros(1000, dtype=torch.uint8), torch.ones(1)),
+                     "exp_avg_sq": QuantizedState(torch.zeros(1000, dtype=torch.uint8), torch.ones(1)),
+                     "master_param": torch.zeros(1000, dtype=torch.int16)}
+    report = state_report([adam])
+    assert report["state_bytes"] == 1000 + 4 + 1000 + 4 + 2000 and report["stepped_numel"] == 1000
+
+
 def test_nan_gradient_groups_keep_parameter_and_remainder():
     p = mr.round_to_bf16(torch.randn(512) * 0.1)
     optimizer = CoatFP8AdamW([p], lr=1e-2, master_remainders=True)
