@@ -9,7 +9,6 @@ import warnings
 
 import torch.multiprocessing as mp
 
-import ds_helpers as H  # noqa: E402
 import ds_remainders_job  # noqa: E402
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)
