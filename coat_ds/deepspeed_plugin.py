@@ -4,8 +4,11 @@ DeepSpeed 0.19.8 has no optimizer registry: for a `type` it does not know it bui
 with the config params as keywords, and ZeRO accepts only optimizers listed in
 `deepspeed.runtime.zero.utils.ZERO_SUPPORTED_OPTIMIZERS` (else it asks for `zero_allow_untested_optimizer`).
 `register_with_deepspeed()` adds CoatFP8AdamW to both, and makes the engine refuse, at `deepspeed.initialize`,
-the modes that cannot carry FP8 states (elastic checkpoints, NVMe optimizer swap); DeepSpeed's per-parameter
-optimizer-state functions (`safe_get_full_optimizer_state`, ...) answer in fp32 moments (coat_ds.full_optimizer_state).
+the modes that cannot carry FP8 states (elastic checkpoints, NVMe optimizer swap), and `"master_remainders": true`
+where DeepSpeed does not hand the optimizer bf16 master partitions; DeepSpeed's per-parameter optimizer-state
+functions (`safe_get_full_optimizer_state`, ...) answer in fp32 moments (coat_ds.full_optimizer_state). With master
+remainders the ZeRO optimizer, once built, steps the model's bf16 partitions and loads universal checkpoints exactly
+(coat_ds.master_partitions).
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import torch
 
 from coat_kernels.optim import state_report
 
-from . import engine_hooks, full_optimizer_state
+from . import engine_hooks, full_optimizer_state, master_partitions
 from .optimizer import CoatFP8AdamW
 
 OPTIMIZER_NAME = "CoatFP8AdamW"
@@ -31,12 +34,14 @@ def register_with_deepspeed() -> None:
     if CoatFP8AdamW not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
         zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(CoatFP8AdamW)
     _guard_engine_config(DeepSpeedEngine)
+    _own_bf16_masters(DeepSpeedEngine)
     engine_hooks.install(DeepSpeedEngine)
     full_optimizer_state.install()
 
 
-def check_engine_config(engine) -> None:
-    """Raise ValueError for DeepSpeed modes that cannot hold CoatFP8AdamW's FP8 states."""
+def check_engine_config(engine, optimizer=None) -> None:
+    """Raise ValueError for DeepSpeed modes that cannot hold CoatFP8AdamW's FP8 states, or (for `optimizer`, the
+    CoatFP8AdamW DeepSpeed built) that give master remainders no bf16 masters to complete."""
     stage = engine.zero_optimization_stage()
     if stage in (1, 2) and engine.zero_elastic_checkpoint():
         raise ValueError(
@@ -50,6 +55,13 @@ def check_engine_config(engine) -> None:
             "CoatFP8AdamW does not support zero_optimization.offload_optimizer.device=nvme: DeepSpeed's optimizer "
             "swapper assumes every state tensor has the parameter's numel and dtype. Use \"device\": \"cpu\" (the step "
             "then runs on the C++ CPU step) or no optimizer offload.")
+    if optimizer is not None and optimizer.config.master_remainders and not (
+            stage in (1, 2, 3) and engine.bfloat16_enabled() and engine.bf16_master_weights_and_gradients()):
+        raise ValueError(
+            'CoatFP8AdamW "master_remainders": true completes bf16 master weights to exact fp32 ones: it needs ZeRO '
+            'stage 1, 2 or 3 with "bf16": {"enabled": true, "bf16_master_weights_and_grads": true, '
+            '"bf16_optimizer_states": true} (DeepSpeed then hands the optimizer bf16 master partitions and bf16 '
+            'gradients). Without those DeepSpeed keeps fp32 masters itself: drop "master_remainders".')
 
 
 def _guard_engine_config(engine_cls) -> None:
@@ -60,12 +72,32 @@ def _guard_engine_config(engine_cls) -> None:
 
     def _do_optimizer_sanity_check(self, basic_optimizer):
         if isinstance(basic_optimizer, CoatFP8AdamW):
-            check_engine_config(self)
+            check_engine_config(self, basic_optimizer)
         return original(self, basic_optimizer)
 
     _do_optimizer_sanity_check._coat_guard = True
     _do_optimizer_sanity_check.__wrapped__ = original
     engine_cls._do_optimizer_sanity_check = _do_optimizer_sanity_check
+
+
+def _own_bf16_masters(engine_cls) -> None:
+    """Once the ZeRO optimizer around a CoatFP8AdamW with master remainders is built: it steps the model's bf16
+    partitions in place of DeepSpeed's master clones, and universal-checkpoint loads stay exact."""
+    original = engine_cls._configure_zero_optimizer
+    if getattr(original, "_coat_bf16_masters", False):
+        return
+
+    def _configure_zero_optimizer(self, optimizer):
+        zero_optimizer = original(self, optimizer)
+        if isinstance(optimizer, CoatFP8AdamW) and optimizer.config.master_remainders:
+            stage = self.zero_optimization_stage()
+            master_partitions.own_master_partitions(zero_optimizer, stage)
+            master_partitions.exact_universal_load(zero_optimizer, stage)
+        return zero_optimizer
+
+    _configure_zero_optimizer._coat_bf16_masters = True
+    _configure_zero_optimizer.__wrapped__ = original
+    engine_cls._configure_zero_optimizer = _configure_zero_optimizer
 
 
 def optimizer_state_report(engine) -> dict:

@@ -6,7 +6,9 @@ metadata + segments) by its dequantized fp32 moments, runs DeepSpeed's converter
 the result with `"checkpoint": {"load_universal": true}`; CoatFP8AdamW re-quantizes the moments at its next step,
 with the groups of the new partition layout. Loaded at the same DP size, every group quantizes back to the codes and
 metadata it was saved with (coat_kernels.optim.exact_export): the run continues bit for bit. At a new DP size, only
-groups re-cut by a new partition edge get new metadata.
+groups re-cut by a new partition edge get new metadata. Master weights kept as bf16 partitions with CoatFP8AdamW's
+remainders (`"master_remainders": true`, coat_ds.master_partitions) are joined into the exact fp32 masters the
+universal checkpoint holds.
 
     python -m coat_ds.to_universal --input_folder ckpt/global_step100 --output_folder ckpt/global_step100_universal
 
@@ -24,7 +26,39 @@ import tempfile
 import torch
 
 from coat_kernels.optim import is_coat_state, to_fp32, validate_entry
-from coat_kernels.optim.state import config_of
+from coat_kernels.optim.master_remainders import join
+from coat_kernels.optim.state import REMAINDER_KEY, config_of
+
+# (master partitions, optimizer state dict) of a ZeRO-1/2 and of a ZeRO-3 optimizer shard
+MASTER_AND_STATE_KEYS = (("single_partition_of_fp32_groups", "base_optimizer_state"),
+                         ("fp32_flat_groups", "optimizer_state_dict"))
+
+
+def join_master_remainders(obj, found: list | None = None):
+    """In place, anywhere in a nested checkpoint object: each ZeRO master partition whose optimizer entry (same
+    index, as DeepSpeed's converter pairs them) holds a master remainder becomes the fp32 master. Appends one item
+    to `found` per partition joined."""
+    found = [] if found is None else found
+    if isinstance(obj, dict):
+        for masters_key, state_key in MASTER_AND_STATE_KEYS:
+            masters, state = obj.get(masters_key), obj.get(state_key)
+            if isinstance(masters, list) and isinstance(state, dict) and isinstance(state.get("state"), dict):
+                for index, master in enumerate(masters):
+                    entry = state["state"].get(index)
+                    if isinstance(entry, dict) and REMAINDER_KEY in entry and isinstance(master, torch.Tensor):
+                        if master.dtype != torch.bfloat16:
+                            raise ValueError(f"{masters_key}[{index}] is {master.dtype} but its optimizer entry holds "
+                                             "master remainders, which complete bf16 masters only: the checkpoint "
+                                             "is inconsistent")
+                        remainder = entry[REMAINDER_KEY].reshape(-1)
+                        masters[index] = join(master.reshape(-1), remainder[:master.numel()]).view(master.shape)
+                        found.append(1)
+        for value in obj.values():
+            join_master_remainders(value, found)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            join_master_remainders(value, found)
+    return found
 
 
 def expand_states(obj, found: list | None = None, config=None, where: str = "a CoatFP8AdamW state"):
@@ -63,7 +97,7 @@ def dequantized_copy(input_folder: str, work_dir: str) -> tuple[str, int]:
             continue
         path = os.path.join(copy, name)
         shard = torch.load(path, map_location="cpu", weights_only=False)
-        found = []
+        found = join_master_remainders(shard)
         converted = expand_states(shard, found, where=f"{name}: CoatFP8AdamW state")
         if found:
             torch.save(converted, path)

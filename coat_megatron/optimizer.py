@@ -6,14 +6,22 @@ inner optimizer, after Megatron has built the wrapper, with `MegatronCoatFP8Adam
 dicts (the fp32 main params; under the distributed optimizer, this rank's shard of each parameter). Nothing of
 Megatron is copied: sharding, grad copies, clipping, the LR scheduler and zero_grad stay Megatron's.
 
+- Under `--use-precision-aware-optimizer` (with `--main-grads-dtype bf16` for bf16 main gradients) Megatron keeps
+  no fp32 main params: the inner optimizer steps the bf16 shards of the model parameters in place, reading
+  gradients from `decoupled_grad` (the shard of Megatron's grad buffer, bf16 or fp32). MegatronCoatFP8AdamW then
+  keeps each bf16 shard's fp32 master exactly as (the shard, a 16-bit remainder in its state: `master_remainders`,
+  TransformerEngine FusedAdam's `store_param_remainders` split). Model state: 2 (bf16 params) + 2 (bf16 grads) +
+  (2 remainders + ~2.19 FP8 moments) / DP bytes per parameter. TE FusedAdam's own state options are refused with
+  it (`--exp-avg-dtype`, `--exp-avg-sq-dtype`, `--main-params-dtype` other than fp32).
 - Quantization groups follow each parameter's own 128-grid: a shard main param that starts `param_range.start`
   elements into its parameter gets the segment (0, shard_numel, param_range.start).
 - State is created eagerly (FP8 zeros) when the inner optimizer is swapped, so Megatron's checkpoint code, which
   reads `step` from every state entry before the first step, always finds it.
 - Checkpoints stay in Megatron's formats with fp32 moments on disk (interchangeable with a torch-AdamW run):
   * distributed optimizer: its two state accessors (`_get/_set_main_param_and_optimizer_states`, through which
-    every current sharding type reads and writes `exp_avg`/`exp_avg_sq`) are bound on the instance to
-    dequantize on save and re-quantize on load;
+    every current sharding type reads and writes `param`/`exp_avg`/`exp_avg_sq`) are bound on the instance to
+    dequantize on save and re-quantize on load; `param` is the fp32 master (joined from a bf16 shard and its
+    remainder under the precision-aware optimizer), so checkpoints of both modes are interchangeable;
   * Float16/FP32 optimizers: the inner `state_dict()` returns torch AdamW's layout (fp32 moments shaped like the
     parameters), `load_state_dict` quantizes fp32 moments it is given.
   The fp32 moments are exported so that they quantize back to the saved codes and metadata (coat_kernels.optim.
@@ -32,12 +40,15 @@ class MegatronCoatFP8AdamW(CoatFP8AdamW):
 
     param_offsets: {main param: offset of its first element inside the model parameter} (shards of the
     distributed optimizer); absent params start at 0. torch_format_state_dict: `state_dict()` returns fp32
-    moments shaped like the parameters (what Float16/FP32Optimizer checkpoints hold).
+    moments shaped like the parameters (what Float16/FP32Optimizer checkpoints hold). decoupled_grads: gradients
+    are read from `param.decoupled_grad` (Megatron's precision-aware optimizer) instead of `param.grad`.
     """
 
-    def __init__(self, param_groups, *, param_offsets=None, torch_format_state_dict=False, **coat_options):
+    def __init__(self, param_groups, *, param_offsets=None, torch_format_state_dict=False, decoupled_grads=False,
+                 **coat_options):
         self._param_offsets = dict(param_offsets or {})
         self.torch_format_state_dict = torch_format_state_dict
+        self.decoupled_grads = decoupled_grads
         first = param_groups[0]
         super().__init__(param_groups, lr=first["lr"], betas=first["betas"], eps=first["eps"],
                          weight_decay=first["weight_decay"], **coat_options)
@@ -47,6 +58,9 @@ class MegatronCoatFP8AdamW(CoatFP8AdamW):
     def param_segments(self, param, group_index):
         """A shard main param of the distributed optimizer starts `param_offsets[param]` into its parameter."""
         return [(0, param.numel(), self._param_offsets.get(param, 0))] if param.numel() else []
+
+    def param_gradient(self, param):
+        return getattr(param, "decoupled_grad", None) if self.decoupled_grads else param.grad
 
     def add_param_group(self, param_group):
         # The distributed optimizer's shards of fp32 model params are views (non-leaf), which torch's leaf check
@@ -111,6 +125,8 @@ def _swap_inner_optimizer(wrapper, coat_options):
         return
     _check_config(wrapper.config, inner, Adam)
     distributed = isinstance(wrapper, DistributedOptimizer)
+    # Megatron hands the inner optimizer the bf16 shards and decoupled gradients (it keeps no fp32 main params)
+    model_params_stepped = bool(getattr(wrapper.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
     if distributed:
         if wrapper.ddp_config.use_megatron_fsdp:
             raise ValueError("--coat-optimizer does not support Megatron FSDP (--use-megatron-fsdp)")
@@ -120,8 +136,10 @@ def _swap_inner_optimizer(wrapper, coat_options):
     else:
         raise TypeError(f"--coat-optimizer: unsupported Megatron optimizer {type(wrapper).__name__}")
     previous = {p: dict(s) for p, s in inner.state.items()}
+    if model_params_stepped:
+        coat_options = {**coat_options, "master_remainders": True}
     coat = MegatronCoatFP8AdamW(inner.param_groups, param_offsets=offsets, torch_format_state_dict=not distributed,
-                                **coat_options)
+                                decoupled_grads=model_params_stepped, **coat_options)
     for p, state in previous.items():  # an optimizer swapped after a checkpoint load keeps its moments
         if "exp_avg" in state and p in coat.state:
             coat.set_fp32_moments(p, state["exp_avg"], state["exp_avg_sq"], step=float(state.get("step", 0.0)))
@@ -138,13 +156,23 @@ def _check_config(config, inner, megatron_adam):
     if not getattr(config, "decoupled_weight_decay", True):
         problems.append("Adam with L2 weight decay (decoupled_weight_decay=False): CoatFP8AdamW is AdamW")
     if getattr(config, "use_precision_aware_optimizer", False):
-        problems.append("--use-precision-aware-optimizer (TE FusedAdam's low-precision states): drop one of them")
+        for flag, name in (("--exp-avg-dtype", "exp_avg_dtype"), ("--exp-avg-sq-dtype", "exp_avg_sq_dtype"),
+                           ("--main-params-dtype", "main_params_dtype")):
+            value = getattr(config, name, torch.float32)
+            if value != torch.float32:
+                problems.append(f"{flag} {_dtype_name(value)} (TE FusedAdam's low-precision states; COAT keeps FP8 "
+                                "moments (--coat-exp-avg-format, ...) and exact fp32 masters: leave it fp32)")
     if getattr(config, "optimizer_cpu_offload", False):
         problems.append("--optimizer-cpu-offload")
     if not problems and not isinstance(inner, (torch.optim.AdamW, megatron_adam)):
         problems.append(f"inner optimizer {type(inner).__name__} is not Megatron's Adam")
     if problems:
         raise ValueError("--coat-optimizer cannot be used with: " + "; ".join(problems))
+
+
+def _dtype_name(dtype) -> str:
+    """Megatron's name of a state dtype ('fp8' is torch.uint8 there)."""
+    return {torch.uint8: "fp8", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
 def _shard_offsets(dist_opt) -> dict:
@@ -165,12 +193,11 @@ def _bind_fp32_state_accessors(dist_opt):
 
     def get_main_param_and_optimizer_states(model_param):
         param = main_param(model_param)
-        return {"param": param, **dist_opt.optimizer.fp32_moments(param)}
+        return {"param": dist_opt.optimizer.fp32_master(param), **dist_opt.optimizer.fp32_moments(param)}
 
     def set_main_param_and_optimizer_states(model_param, tensors):
         param = main_param(model_param)
-        with torch.no_grad():
-            param.copy_(tensors["param"])
+        dist_opt.optimizer.set_fp32_master(param, tensors["param"])
         dist_opt.optimizer.set_fp32_moments(param, tensors["exp_avg"], tensors["exp_avg_sq"])
 
     def load_parameter_state_from_dp_zero_legacy(state_dict):

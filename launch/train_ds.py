@@ -140,7 +140,6 @@ def main(argv=None):
     config = load_config(args, world)
     model = build_model(args.model, args.seq_len, device, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     apply_peer_options(model, args)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     data = BigramData(model.config.vocab_size, args.seq_len, args.seed)
@@ -193,6 +192,7 @@ def main(argv=None):
     dist.all_gather_object(peaks, max(peak_memory_bytes(device), memory.get("first_step_peak", 0)))
     states = [None] * world
     dist.all_gather_object(states, optimizer_state_report(engine))
+    model_states = model_state_bytes(engine, device)
     if rank == 0:
         steady = step_times[min(10, len(step_times) // 2):]
         median_s = statistics.median(steady)
@@ -208,7 +208,7 @@ def main(argv=None):
                        optimizer_state_bytes=[s["state_bytes"] for s in states],
                        stepped_numel=[s["stepped_numel"] for s in states],
                        state_bytes_per_element=[round(s["bytes_per_element"], 4) for s in states],
-                       memory_breakdown_gib=breakdown(memory, weight_bytes,
+                       memory_breakdown_gib=breakdown(memory, model_states,
                                                       0 if offloaded(config) else states[0]["state_bytes"]))
         for r in range(world):
             print(f"[train_ds] rank {r}: peak memory {peaks[r] / 2 ** 30:.2f} GiB, optimizer state "
@@ -236,16 +236,43 @@ def offloaded(config: dict) -> bool:
     return (config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none") != "none"
 
 
-def breakdown(memory: dict, weight_bytes: int, optimizer_state_bytes: int) -> dict:
-    """Rank 0's GPU memory in GiB, measured: bf16 weights; optimizer state on the GPU (moments and metadata; 0 when
-    offloaded); the other model states held between steps (fp32 master partition unless offloaded, gradient
-    buffers); what one step adds at its peak (activations saved for backward, logits, temporaries)."""
+def model_state_bytes(engine, device: torch.device) -> dict:
+    """Bytes of model states this rank holds on `device`, from the tensors themselves: the weights as DeepSpeed
+    keeps them (bf16; this rank's partitions under ZeRO-3); the ZeRO master weights where they are tensors of their
+    own (0 when offloaded, or when the optimizer steps the weights themselves: CoatFP8AdamW with master remainders);
+    CoatFP8AdamW's master remainders (part of its optimizer state)."""
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    params = list(engine.module.parameters())
+    shards = [p.ds_tensor if hasattr(p, "ds_tensor") else p for p in params]
+    storages = {t.untyped_storage().data_ptr() for t in shards}
+    wrapper = engine.optimizer
+    masters = getattr(wrapper, "single_partition_of_fp32_groups", None) or \
+        getattr(wrapper, "fp32_partitioned_groups_flat", None) or []
+    remainders = [s["master_remainder"] for s in getattr(engine.basic_optimizer, "state", {}).values()
+                  if "master_remainder" in s]
+    return dict(weights=sum(nbytes(t) for t in shards if t.device == device),
+                master_weights=sum(nbytes(m) for m in masters if m.device == device and m.numel()
+                                   and m.untyped_storage().data_ptr() not in storages),
+                master_remainders=sum(nbytes(r) for r in remainders if r.device == device))
+
+
+def breakdown(memory: dict, model_states: dict, optimizer_state_bytes: int) -> dict:
+    """Rank 0's GPU memory in GiB, measured before step 2's forward (what is held between steps) and at its peak:
+    weights (model_state_bytes); optimizer state on the GPU (moments, metadata and master remainders; 0 when
+    offloaded), of which master remainders; the other model states held between steps: master weights (a separate
+    fp32 or bf16 partition, unless offloaded or stepped in place) and gradient and other buffers (the rest); what one
+    step adds at its peak (activations saved for backward, gradients, logits, temporaries)."""
     if "before_forward" not in memory:
         return {}
     gib = 2.0 ** 30
     held = memory["before_forward"]
-    return dict(weights=weight_bytes / gib, optimizer_state=optimizer_state_bytes / gib,
-                master_and_grad_buffers=(held - weight_bytes - optimizer_state_bytes) / gib,
+    rest = held - model_states["weights"] - optimizer_state_bytes
+    return dict(weights=model_states["weights"] / gib, optimizer_state=optimizer_state_bytes / gib,
+                master_remainders=model_states["master_remainders"] / gib, master_and_grad_buffers=rest / gib,
+                master_weights=model_states["master_weights"] / gib,
+                gradient_and_other_buffers=(rest - model_states["master_weights"]) / gib,
                 step_transient=(memory["step_peak"] - held) / gib, step_peak=memory["step_peak"] / gib)
 
 

@@ -8,8 +8,11 @@ device; backend="triton": the kernel (on CPU tensors under TRITON_INTERPRET=1). 
 
 COAT options: `OptimizerConfig` (coat_kernels.optim.config), given as `config=` and/or keyword arguments; the
 per-group ones (formats, expansion, group size, expand_min, k_max) are stored in each param group like lr.
-State per tensor: see coat_kernels.optim.state. fp32 `exp_avg` / `exp_avg_sq` found in a state entry (DeepSpeed's
-universal-checkpoint loader writes them) are quantized when the entry is next planned.
+State per tensor: see coat_kernels.optim.state. With `master_remainders` a bf16 parameter is its own fp32 master
+weight: its entry keeps the master's low 16 bits, and every step reads and writes the master exactly
+(coat_kernels.optim.master_remainders; `fp32_master` / `set_fp32_master` read and write it). fp32 `exp_avg` /
+`exp_avg_sq` found in a state entry (DeepSpeed's universal-checkpoint loader writes them) are quantized when the entry
+is next planned.
 
 Engines that hand the optimizer flat tensors holding fragments of several parameters (ZeRO partitions,
 distributed-optimizer shards) say where each fragment comes from by overriding `param_segments`, so that
@@ -42,6 +45,10 @@ from . import state as coat_state
 from .config import DEFAULTS, GROUP_OPTION_NAMES, OPTION_NAMES, OptimizerConfig
 from .dre_reference import AdamWScalars
 from .grouping import GroupLayout, Segment, build_layout, concat_layouts, normalize_segments
+from .master_remainders import join as join_master
+from .master_remainders import split as split_master
+
+REMAINDER = coat_state.REMAINDER_KEY
 
 # torch.optim.AdamW options accepted only at their default value.
 TORCH_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "fused": None, "capturable": False,
@@ -99,6 +106,11 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         loaded (a loaded entry's segments must be these)."""
         return None
 
+    def param_gradient(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The gradient a step applies to `param`: `param.grad`. Engines that keep gradients elsewhere (Megatron's
+        precision-aware optimizer: `decoupled_grad`, which may differ from the parameter's dtype) override this."""
+        return param.grad
+
     # ---- public helpers -------------------------------------------------------------------------------------
     @property
     def skipped_groups(self) -> int:
@@ -120,19 +132,49 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         offset = 0
         for index, group in enumerate(self.param_groups):
             for position, p in enumerate(group["params"]):
-                state = self.state[p]
-                if not coat_state.is_coat_state(state) or "exp_avg" in state:
+                if self._needs_new_entry(p, self.state[p]):
                     self._init_state(p, group, index, _where(p, index, offset + position))
             offset += len(group["params"])
 
     def fp32_moments(self, p: torch.Tensor) -> dict:
         """{"exp_avg", "exp_avg_sq"}: fp32, flat, on p's device (zeros before the first step). `set_fp32_moments`
         with these values restores the state bit for bit (what checkpoints in fp32 formats rely on)."""
-        state = self.state[p]
-        if not coat_state.is_coat_state(state) or "exp_avg" in state:
+        self._ensure_entry(p)
+        return coat_state.to_fp32(self.state[p], *self._config_of(p).moment_configs())
+
+    def fp32_master(self, p: torch.Tensor) -> torch.Tensor:
+        """p's fp32 master weight, shaped like p: (p, its remainder) joined for a bf16 p with master remainders,
+        else p as fp32. `set_fp32_master` with it changes nothing."""
+        if not coat_state.needs_remainder(self.config, p.dtype):
+            return p.detach().float()
+        self._ensure_entry(p)
+        return join_master(p, self.state[p][REMAINDER].view(p.shape))
+
+    def set_fp32_master(self, p: torch.Tensor, master: torch.Tensor) -> None:
+        """Write p's fp32 master weight (p's numel elements, any shape): a bf16 p with master remainders keeps it
+        exactly (the bf16 value rounded to nearest, ties away from zero, and the remainder), any other p gets it
+        cast to its dtype."""
+        if master.numel() != p.numel():
+            raise ValueError(f"a master of {master.numel()} elements for a tensor of {p.numel()}")
+        master = master.detach().to(device=p.device).reshape(p.shape)
+        with torch.no_grad():
+            if not coat_state.needs_remainder(self.config, p.dtype):
+                p.copy_(master)
+                return
+            self._ensure_entry(p)
+            param, remainder = split_master(master)
+            p.copy_(param)
+            self.state[p][REMAINDER].copy_(remainder.view(-1))
+
+    def _needs_new_entry(self, p, state) -> bool:
+        """No FP8 state yet, fp32 moments to quantize, or a missing master remainder."""
+        return not coat_state.is_coat_state(state) or "exp_avg" in state or (
+            REMAINDER not in state and coat_state.needs_remainder(self.config, p.dtype))
+
+    def _ensure_entry(self, p) -> None:
+        if self._needs_new_entry(p, self.state[p]):
             group_index, group = self._group_of(p)
             self._init_state(p, group, group_index, self._describe(p))
-        return coat_state.to_fp32(self.state[p], *self._config_of(p).moment_configs())
 
     def set_fp32_moments(self, p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                          step: float | None = None) -> None:
@@ -177,22 +219,25 @@ class CoatFP8AdamW(torch.optim.Optimizer):
     def _prepare_group(self, index, group):
         """(plan, gradients, AdamW scalars per tensor, moment configs) of one group's step, or None without
         gradients; raises (writing nothing) for bad options, tensors or states."""
-        params = [p for p in group["params"] if p.grad is not None]
+        grads = [self.param_gradient(p) for p in group["params"]]
+        params = [p for p, g in zip(group["params"], grads) if g is not None]
         if not params:
             return None
-        grads = [p.grad for p in params]
+        grads = [g for g in grads if g is not None]
         cfg = self.group_config(group)
         _check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         signature = (tuple(map(id, params)), tuple((g.dtype, g.layout, g.shape) for g in grads), cfg)
         plan = self._plans.get(id(group))
         if plan is None or plan.signature != signature or not all(
-                self.state[p] is st and "exp_avg_q" in st and "exp_avg" not in st and self._layouts.get(p) is layout
+                self.state[p] is st and not self._needs_new_entry(p, st) and self._layouts.get(p) is layout
                 for p, st, layout in zip(params, plan.states, plan.layouts)):
             plan = self._plans[id(group)] = self._plan(index, group, params, signature, cfg)
         for i, (p, st, update) in enumerate(zip(params, plan.states, plan.updates)):
             # state tensors may have been replaced since the plan (offloading engines swap them)
             if update is None and _state_tensors(st) != plan.tensors[i]:
                 coat_state.check_tensors(st, plan.layouts[i], cfg, plan.wheres[i], p.device)
+                if plan.kernel_keys[i][-1]:
+                    coat_state.check_remainder(st.get(REMAINDER), p.numel(), plan.wheres[i], p.device)
                 plan.tensors[i] = _state_tensors(st)
         beta1, beta2 = group["betas"]
         scalars_by_step: dict[float, AdamWScalars] = {}
@@ -220,13 +265,13 @@ class CoatFP8AdamW(torch.optim.Optimizer):
             if not grad.is_contiguous():
                 grad = grad.contiguous()
             by_kernel.setdefault(key if key[0] else key + (h,), []).append((p, grad, st, layout, h))
-        for (use_triton, device, *_), items in by_kernel.items():
+        for (use_triton, device, _, _, _, remainder, *_), items in by_kernel.items():
             if use_triton:
-                self._launch(device, items, m_cfg, v_cfg)
+                self._launch(device, items, m_cfg, v_cfg, remainder)
             elif device.type == "cpu" and self.config.backend == "auto":
-                self._counter(device).add_(_cpu_step(items, m_cfg, v_cfg))
+                self._counter(device).add_(_cpu_step(items, m_cfg, v_cfg, remainder))
             else:
-                self._counter(device).add_(_reference_step(items, m_cfg, v_cfg))
+                self._counter(device).add_(_reference_step(items, m_cfg, v_cfg, remainder))
 
     def _plan(self, index, group, params, signature, cfg) -> "_StepPlan":
         """Checks and per-tensor facts of a group's step, kept while the params with gradients, their gradients'
@@ -237,13 +282,19 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         offset = sum(len(g["params"]) for g in self.param_groups[:index])
         plan = _StepPlan(signature, params, [], [], [], [], [], [])
         for p in params:
-            _check_tensors(p)
+            grad = self.param_gradient(p)
+            _check_tensors(p, grad)
             where = _where(p, index, offset + positions[id(p)])
             state = self.state[p]
-            if coat_state.is_coat_state(state) and "exp_avg" not in state:
+            remainder = coat_state.needs_remainder(self.config, p.dtype)
+            if not self._needs_new_entry(p, state):
                 layout, update = self._layout(p, state, where), None
                 _check_state_fits(p, state, layout, cfg)
                 coat_state.check_tensors(state, layout, cfg, where, p.device)
+                if remainder:
+                    coat_state.check_remainder(state[REMAINDER], p.numel(), where, p.device)
+                elif REMAINDER in state:
+                    coat_state.validate_entry(state, p.numel(), cfg, where, scan=False, param_dtype=p.dtype)
             else:
                 update, layout = self._new_entry(p, state, cfg, index, where)
             plan.tensors.append(_state_tensors(state if update is None else {**state, **update}))
@@ -251,11 +302,11 @@ class CoatFP8AdamW(torch.optim.Optimizer):
             plan.layouts.append(layout)
             plan.updates.append(update)
             plan.wheres.append(where)
-            plan.kernel_keys.append((self._use_triton(p, layout.group_size), p.device, p.dtype, p.grad.dtype,
-                                     layout.group_size))
+            plan.kernel_keys.append((self._use_triton(p, layout.group_size), p.device, p.dtype, grad.dtype,
+                                     layout.group_size, remainder))
         return plan
 
-    def _launch(self, device, items, m_cfg, v_cfg):
+    def _launch(self, device, items, m_cfg, v_cfg, remainder: bool):
         from . import dre_triton
 
         layouts = [it[3] for it in items]
@@ -263,10 +314,11 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         if key not in self._launchers:
             self._launchers[key] = dre_triton.FusedAdamW(layouts, device)
         states = [it[2] for it in items]
+        remainders = [s[REMAINDER] for s in states] if remainder else None
         self._launchers[key]([it[0] for it in items], [it[1] for it in items],
                              [s["exp_avg_q"] for s in states], [s["exp_avg_meta"] for s in states],
                              [s["exp_avg_sq_q"] for s in states], [s["exp_avg_sq_meta"] for s in states],
-                             [it[4] for it in items], m_cfg, v_cfg, self._counter(device))
+                             [it[4] for it in items], m_cfg, v_cfg, self._counter(device), remainders=remainders)
 
     def _use_triton(self, p, group_size):
         from .dre_triton import supports_group_size
@@ -321,7 +373,7 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         """(what to store in p's entry, its layout), computed without changing the entry: a fresh zero state on p's
         groups (keeping the step) where there is no FP8 state, and codes quantized from fp32 moments found in the
         entry (they replace the codes beside them)."""
-        coat_state.validate_entry(state, p.numel(), cfg, where, scan=False)
+        coat_state.validate_entry(state, p.numel(), cfg, where, scan=False, param_dtype=p.dtype)
         m_cfg, v_cfg = cfg.moment_configs()
         if coat_state.is_coat_state(state):
             layout, update = self._layout(p, state, where), {}
@@ -338,6 +390,8 @@ class CoatFP8AdamW(torch.optim.Optimizer):
                                                    layout, m_cfg, v_cfg, self._use_triton(p, layout.group_size)))
             except ValueError as exc:
                 raise coat_state.StateError(f"{where}: {exc}") from None
+        if coat_state.needs_remainder(self.config, p.dtype) and REMAINDER not in state:
+            update[REMAINDER] = coat_state.zero_remainder(p.numel(), p.device)
         self._layouts[p] = layout
         return update, layout
 
@@ -355,7 +409,8 @@ class CoatFP8AdamW(torch.optim.Optimizer):
             cfg = self.group_config(group)
             for position, p in enumerate(group["params"]):
                 if p in self.state:
-                    coat_state.validate_entry(self.state[p], p.numel(), cfg, _where(p, index, offset + position))
+                    coat_state.validate_entry(self.state[p], p.numel(), cfg, _where(p, index, offset + position),
+                                              param_dtype=p.dtype)
             offset += len(group["params"])
 
     def torch_adamw_state_dict(self) -> dict:
@@ -371,6 +426,8 @@ class CoatFP8AdamW(torch.optim.Optimizer):
             if coat_state.is_coat_state(entry):
                 moments = self.fp32_moments(p)
                 sd["state"][index] = {"step": entry["step"].clone(), **{k: v.view(p.shape) for k, v in moments.items()}}
+                if REMAINDER in entry:
+                    sd["state"][index][REMAINDER] = entry[REMAINDER]
         return sd
 
     def load_state_dict(self, state_dict):
@@ -380,8 +437,8 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         A saved group's COAT options are restored with it; a group saved without them (a torch.optim.AdamW run)
         gets this optimizer's."""
         id_to_param = self._check_loaded(state_dict)
-        originals = {pid: {k: v for k, v in s.items() if k in coat_state.ENTRY_KEYS + coat_state.MOMENTS}
-                     for pid, s in state_dict["state"].items()}
+        kept = coat_state.ENTRY_KEYS + coat_state.MOMENTS + (REMAINDER,)
+        originals = {pid: {k: v for k, v in s.items() if k in kept} for pid, s in state_dict["state"].items()}
         super().load_state_dict(state_dict)
         for pid, tensors in originals.items():
             p = id_to_param[pid]
@@ -428,7 +485,8 @@ class CoatFP8AdamW(torch.optim.Optimizer):
             segments = None
             if isinstance(entry, dict) and "segments" in entry:
                 segments = normalize_segments(self.param_segments(p, index), p.numel())
-            coat_state.validate_entry(entry, p.numel(), cfg, _where(p, index, position), segments=segments)
+            coat_state.validate_entry(entry, p.numel(), cfg, _where(p, index, position), segments=segments,
+                                      param_dtype=p.dtype)
         return {pid: target[0] for pid, target in targets.items()}
 
 
@@ -464,6 +522,8 @@ def _state_tensors(state: dict):
     """(dtype, shape, device) of an entry's codes and metadata: compared on every step, O(1)."""
     try:
         tensors = [state[k] for k in coat_state.CODE_KEYS + coat_state.META_KEYS]
+        if REMAINDER in state:
+            tensors.append(state[REMAINDER])
         return tuple((t.dtype, t.shape, t.device) for t in tensors)
     except (KeyError, AttributeError):
         return None
@@ -489,26 +549,28 @@ def _group_config(base: OptimizerConfig, values: tuple) -> OptimizerConfig:
     return base.replace(**{name: value for name, (_, value) in zip(GROUP_OPTION_NAMES, values)})
 
 
-def _cpu_step(items, m_cfg, v_cfg) -> torch.Tensor:
+def _cpu_step(items, m_cfg, v_cfg, remainder: bool) -> torch.Tensor:
     """CPU tensors: the C++ step, one call per tensor (the torch reference when the library cannot be built)."""
     from . import cpu_step
 
     if cpu_step.library() is None:
-        return _reference_step(items, m_cfg, v_cfg)
+        return _reference_step(items, m_cfg, v_cfg, remainder)
     skipped = torch.zeros((), dtype=torch.int64)
     for p, grad, st, layout, scalars in items:
         skipped += cpu_step.fused_adamw_step(p, grad, st["exp_avg_q"], st["exp_avg_meta"], st["exp_avg_sq_q"],
-                                             st["exp_avg_sq_meta"], layout, scalars, m_cfg, v_cfg)
+                                             st["exp_avg_sq_meta"], layout, scalars, m_cfg, v_cfg,
+                                             remainder=st[REMAINDER] if remainder else None)
     return skipped
 
 
-def _reference_step(items, m_cfg, v_cfg) -> torch.Tensor:
+def _reference_step(items, m_cfg, v_cfg, remainder: bool) -> torch.Tensor:
     """The PyTorch reference step for tensors sharing device, dtypes and AdamW scalars: one call over their
     concatenation (the reference costs hundreds of small ops per call), results copied back."""
     if len(items) == 1:
         p, grad, st, layout, scalars = items[0]
         return reference.fused_adamw_step(p, grad, st["exp_avg_q"], st["exp_avg_meta"], st["exp_avg_sq_q"],
-                                          st["exp_avg_sq_meta"], layout, scalars, m_cfg, v_cfg)
+                                          st["exp_avg_sq_meta"], layout, scalars, m_cfg, v_cfg,
+                                          remainder=st[REMAINDER] if remainder else None)
     params, grads, states, layouts, scalars = zip(*items)
 
     def cat(tensors):
@@ -518,12 +580,16 @@ def _reference_step(items, m_cfg, v_cfg) -> torch.Tensor:
     p, g = cat(params), cat(grads)
     codes = {k: cat([st[k] for st in states]).view(states[0][k].dtype) for k in coat_state.CODE_KEYS}
     metas = {k: torch.cat([st[k] for st in states], dim=1) for k in coat_state.META_KEYS}
+    r = cat([st[REMAINDER] for st in states]) if remainder else None
     skipped = reference.fused_adamw_step(p, g, codes["exp_avg_q"], metas["exp_avg_meta"], codes["exp_avg_sq_q"],
-                                         metas["exp_avg_sq_meta"], concat_layouts(layouts), scalars[0], m_cfg, v_cfg)
+                                         metas["exp_avg_sq_meta"], concat_layouts(layouts), scalars[0], m_cfg, v_cfg,
+                                         remainder=r)
     start = groups = 0
     for param, st, layout in zip(params, states, layouts):
         n, k = layout.numel, layout.num_groups
         param.view(-1).copy_(p[start:start + n])
+        if r is not None:
+            st[REMAINDER].copy_(r[start:start + n])
         for key in codes:
             st[key].view(torch.uint8).copy_(codes[key][start:start + n].view(torch.uint8))
         for key in metas:
@@ -560,8 +626,7 @@ def _check_state_fits(p, state, layout, cfg):
                            f"for {cfg.group_size}; convert with fp32_moments / set_fp32_moments first")
 
 
-def _check_tensors(p):
-    g = p.grad
+def _check_tensors(p, g):
     if g.is_sparse:
         raise RuntimeError("CoatFP8AdamW does not support sparse gradients")
     if p.is_complex() or g.is_complex():

@@ -27,7 +27,11 @@ class OptimizerConfig:
     (the same, then FloatingPointError). backend: "auto" (Triton kernel for CUDA tensors, the C++ step for CPU
     tensors), "triton" (needs a power-of-two group_size >= 4) or "torch" (the bit-exact torch reference everywhere).
     Any group size works with "auto" and "torch": sizes the Triton kernel or the C++ step do not take (the C++ step
-    takes groups of up to 1024 elements) are stepped by the torch reference, with the same results."""
+    takes groups of up to 1024 elements) are stepped by the torch reference, with the same results.
+    master_remainders: bf16 parameters are their own fp32 master weights, losslessly: each state entry of a bf16
+    tensor keeps the low 16 bits of every fp32 master value (`master_remainder`, int16), and the step reads and
+    writes the fp32 master as (bf16 parameter, remainder) (coat_kernels.optim.master_remainders). The bf16 parameter
+    is the master rounded to nearest, ties away from zero. fp32 parameters are unaffected."""
 
     exp_avg_format: str = "e4m3"
     exp_avg_sq_format: str = "e4m3"
@@ -38,11 +42,12 @@ class OptimizerConfig:
     k_max: float = 16.0
     nonfinite: str = "skip_group"
     backend: str = "auto"
+    master_remainders: bool = False
 
     def __post_init__(self):
         for name in ("exp_avg_format", "exp_avg_sq_format"):
             check_choice(name, getattr(self, name), tuple(FORMATS))
-        for name in ("expand_exp_avg", "expand_exp_avg_sq"):
+        for name in ("expand_exp_avg", "expand_exp_avg_sq", "master_remainders"):
             check_bool(name, getattr(self, name), spelled="a bool (true/false)")
         for name in ("group_size", "expand_min"):
             check_int(name, getattr(self, name), minimum=1)

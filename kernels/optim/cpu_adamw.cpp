@@ -7,7 +7,8 @@
 // Two implementations of the same operations: a portable one (step_group: per group, plain fp32 loops the compiler
 // vectorizes), and, where the compiler targets AVX-512 with VBMI (F, BW, DQ, VBMI), one written with intrinsics
 // (step_fast) that handles the common groups and hands the others to step_group. Defining COAT_PORTABLE builds the
-// portable one alone.
+// portable one alone. bf16 parameters with master remainders (param kind 2) are stepped as the fp32 master
+// (parameter, remainder) of coat_kernels.optim.master_remainders, read and written with its integer operations.
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -199,18 +200,45 @@ inline void lookup(const uint8_t* codes, int len, const float* table, float* out
   for (; i < len; ++i) out[i] = table[codes[i]];
 }
 
+// master_remainders.join / split: the fp32 master of a bf16 parameter hi and its remainder lo, and back (hi is the
+// master's upper half rounded by lo, ties away from zero; a NaN upper half of magnitude 0x7FFF is never rounded up).
+inline float join_master(uint16_t hi, uint16_t lo) {
+  const uint32_t borrow = lo >= 0x8000u && (hi & 0x7FFFu) != 0x7FFFu ? 1u : 0u;
+  return float_of(static_cast<uint32_t>(static_cast<uint16_t>(hi - borrow)) << 16 | lo);
+}
+
+inline void split_master(float x, uint16_t* hi, uint16_t* lo) {
+  const uint32_t b = bits_of(x), h = b >> 16, l = b & 0xFFFFu;
+  *hi = static_cast<uint16_t>(h + (l >= 0x8000u && (h & 0x7FFFu) != 0x7FFFu ? 1u : 0u));
+  *lo = static_cast<uint16_t>(l);
+}
+
 struct Scalars { float decay, step_size, inv_bc2_sqrt, eps, beta1, one_minus_beta1, beta2, one_minus_beta2; };
 
+// Element types: load / store convert one element; load_param / store_param read and write a parameter's fp32 value
+// at i (r: the master remainders, used by BF16R only).
 struct F32 {
   using T = float;
   static float load(float x) { return x; }
   static float store(float x) { return x; }
+  static float load_param(const float* p, const uint16_t*, int i) { return p[i]; }
+  static void store_param(float* p, uint16_t*, int i, float x) { p[i] = x; }
 };
 struct BF16 {
   using T = uint16_t;
   static float load(uint16_t x) { return bf16_to_float(x); }
   static uint16_t store(float x) { return float_to_bf16(x); }
+  static float load_param(const uint16_t* p, const uint16_t*, int i) { return bf16_to_float(p[i]); }
+  static void store_param(uint16_t* p, uint16_t*, int i, float x) { p[i] = float_to_bf16(x); }
 };
+struct BF16R {  // a bf16 parameter with its master remainders
+  using T = uint16_t;
+  static float load_param(const uint16_t* p, const uint16_t* r, int i) { return join_master(p[i], r[i]); }
+  static void store_param(uint16_t* p, uint16_t* r, int i, float x) { split_master(x, p + i, r + i); }
+};
+
+// the remainders from element s on (none without remainders)
+inline uint16_t* shifted(uint16_t* r, int64_t s) { return r == nullptr ? nullptr : r + s; }
 
 struct Extremes {  // what a group's new moments need for their metadata and the non-finite rule
   int nonfinite;
@@ -255,18 +283,19 @@ inline Extremes update_moments(const typename GT::T* grad, const uint8_t* m_code
 
 // AdamW's parameter update of a group, in place, from its new moments.
 template <typename PT>
-inline void update_params(typename PT::T* param, const float* m, const float* v, int len, const Scalars& h) {
+inline void update_params(typename PT::T* param, uint16_t* rem, const float* m, const float* v, int len,
+                          const Scalars& h) {
 #pragma omp simd
   for (int i = 0; i < len; ++i) {
     const float denom = std::fma(std::sqrt(v[i]), h.inv_bc2_sqrt, h.eps);
-    param[i] = PT::store(std::fma(-h.step_size, m[i] / denom, PT::load(param[i]) * h.decay));
+    PT::store_param(param, rem, i, std::fma(-h.step_size, m[i] / denom, PT::load_param(param, rem, i) * h.decay));
   }
 }
 
 // One group of the step, element by element (the portable path, and the fast path's fallback for its rare groups):
 // returns 1 when the group is skipped (its new second moment is not finite), else writes it and returns 0.
 template <typename PT, typename GT>
-inline int step_group(typename PT::T* param, const typename GT::T* grad, uint8_t* m_codes, float* m_meta,
+inline int step_group(typename PT::T* param, uint16_t* rem, const typename GT::T* grad, uint8_t* m_codes, float* m_meta,
                       uint8_t* v_codes, float* v_meta, int64_t s, int len, int64_t j, int64_t n_groups,
                       const Scalars& h, const Moment& mc, const Moment& vc, const float* m_table,
                       const float* v_table, bool skip_nonfinite) {
@@ -283,7 +312,7 @@ inline int step_group(typename PT::T* param, const typename GT::T* grad, uint8_t
       : update_moments<GT, false>(grad + s, m_codes + s, v_codes + s, len, h, m_table, v_table, m_inv_k, m_bias,
                                   v_inv_k, v_bias, m, v);
   if (x.nonfinite != 0 && skip_nonfinite) return 1;  // the group keeps its parameters, codes and metadata
-  update_params<PT>(param + s, m, v, len, h);
+  update_params<PT>(param + s, shifted(rem, s), m, v, len, h);
   const Meta mm = group_params(x.m_big, x.m_small, mc), vm = group_params(x.v_big, x.v_small, vc);
   encode(m, m_codes + s, len, mm, mc);
   encode(v, v_codes + s, len, vm, vc);
@@ -374,18 +403,43 @@ COAT_INLINE __m512 load_grad16<BF16>(const uint16_t* g, __mmask16 k) {
 }
 
 template <typename PT>
-COAT_INLINE __m512 load_param16(const typename PT::T* p, __mmask16 k);
+COAT_INLINE __m512 load_param16(const typename PT::T* p, const uint16_t* r, __mmask16 k);
 template <>
-COAT_INLINE __m512 load_param16<F32>(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+COAT_INLINE __m512 load_param16<F32>(const float* p, const uint16_t*, __mmask16 k) {
+  return _mm512_maskz_loadu_ps(k, p);
+}
 template <>
-COAT_INLINE __m512 load_param16<BF16>(const uint16_t* p, __mmask16 k) { return load_grad16<BF16>(p, k); }
+COAT_INLINE __m512 load_param16<BF16>(const uint16_t* p, const uint16_t*, __mmask16 k) {
+  return load_grad16<BF16>(p, k);
+}
+// the masters of a bf16 parameter's high halves hi and remainders lo (join_master on 16 lanes)
+COAT_INLINE __mmask16 rounded_up16(__m512i hi, __m512i lo) {
+  return _mm512_cmpge_epu32_mask(lo, _mm512_set1_epi32(0x8000)) &
+         _mm512_cmpneq_epi32_mask(_mm512_and_si512(hi, _mm512_set1_epi32(0x7FFF)), _mm512_set1_epi32(0x7FFF));
+}
+template <>
+COAT_INLINE __m512 load_param16<BF16R>(const uint16_t* p, const uint16_t* r, __mmask16 k) {
+  __m512i hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p));
+  const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, r));
+  hi = _mm512_mask_sub_epi32(hi, rounded_up16(hi, lo), hi, _mm512_set1_epi32(1));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(hi, 16), lo));
+}
 
 template <typename PT>
-COAT_INLINE void store_param16(typename PT::T* p, __mmask16 k, __m512 x);
+COAT_INLINE void store_param16(typename PT::T* p, uint16_t* r, __mmask16 k, __m512 x);
 template <>
-COAT_INLINE void store_param16<F32>(float* p, __mmask16 k, __m512 x) { _mm512_mask_storeu_ps(p, k, x); }
+COAT_INLINE void store_param16<F32>(float* p, uint16_t*, __mmask16 k, __m512 x) { _mm512_mask_storeu_ps(p, k, x); }
 template <>
-COAT_INLINE void store_param16<BF16>(uint16_t* p, __mmask16 k, __m512 x) {  // float_to_bf16 on 16 lanes
+COAT_INLINE void store_param16<BF16R>(uint16_t* p, uint16_t* r, __mmask16 k, __m512 x) {  // split_master on 16 lanes
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lo = _mm512_and_si512(u, _mm512_set1_epi32(0xFFFF));
+  __m512i hi = _mm512_srli_epi32(u, 16);
+  hi = _mm512_mask_add_epi32(hi, rounded_up16(hi, lo), hi, _mm512_set1_epi32(1));
+  _mm256_mask_storeu_epi16(p, k, _mm512_cvtepi32_epi16(hi));
+  _mm256_mask_storeu_epi16(r, k, _mm512_cvtepi32_epi16(lo));
+}
+template <>
+COAT_INLINE void store_param16<BF16>(uint16_t* p, uint16_t*, __mmask16 k, __m512 x) {  // float_to_bf16 on 16 lanes
   const __m512i u = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
@@ -564,7 +618,8 @@ COAT_INLINE void encode_fast(const float* x, uint8_t* q, int len, float k, float
 
 // (C) for one group: AdamW's parameter update, then both moments' codes.
 template <typename PT>
-COAT_INLINE void write_group(typename PT::T* param, uint8_t* m_codes, uint8_t* v_codes, int len, const Scalars& h,
+COAT_INLINE void write_group(typename PT::T* param, uint16_t* rem, uint8_t* m_codes, uint8_t* v_codes, int len,
+                             const Scalars& h,
                         const float* m, const float* v, float m_k, float m_offset, bool m_general, float v_k,
                         float v_offset, bool v_general, const FastMoment& mf, const FastMoment& vf) {
   const __m512 inv_bc2 = _mm512_set1_ps(h.inv_bc2_sqrt), eps = _mm512_set1_ps(h.eps);
@@ -572,8 +627,8 @@ COAT_INLINE void write_group(typename PT::T* param, uint8_t* m_codes, uint8_t* v
   for (int i = 0; i < len; i += 16) {
     const __mmask16 kv = len - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (len - i)) - 1);
     const __m512 denom = _mm512_fmadd_ps(_mm512_sqrt_ps(_mm512_load_ps(v + i)), inv_bc2, eps);
-    const __m512 p = load_param16<PT>(param + i, kv);
-    store_param16<PT>(param + i, kv,
+    const __m512 p = load_param16<PT>(param + i, shifted(rem, i), kv);
+    store_param16<PT>(param + i, shifted(rem, i), kv,
                       _mm512_fmadd_ps(neg_step, _mm512_div_ps(_mm512_load_ps(m + i), denom), _mm512_mul_ps(p, decay)));
   }
   encode_fast(m, m_codes, len, m_k, m_offset, m_general, mf);
@@ -674,7 +729,7 @@ inline __m512 reduce16x16(const __m512* x) {
 }
 
 template <typename PT, typename GT>
-int64_t step_fast(typename PT::T* param, const typename GT::T* grad, uint8_t* m_codes, float* m_meta,
+int64_t step_fast(typename PT::T* param, uint16_t* rem, const typename GT::T* grad, uint8_t* m_codes, float* m_meta,
                   uint8_t* v_codes, float* v_meta, const int64_t* starts, const int64_t* lengths, int64_t n_groups,
                   const Scalars h, const Moment mc, const Moment vc, const float* m_table, const float* v_table,
                   bool skip_nonfinite) {
@@ -775,11 +830,11 @@ int64_t step_fast(typename PT::T* param, const typename GT::T* grad, uint8_t* m_
         const int64_t j = j0 + g, s = starts[j];
         const int len = static_cast<int>(lengths[j]);
         if (!(fast >> g & 1)) {
-          skipped += step_group<PT, GT>(param, grad, m_codes, m_meta, v_codes, v_meta, s, len, j, n_groups, h, mc,
-                                        vc, m_table, v_table, skip_nonfinite);
+          skipped += step_group<PT, GT>(param, rem, grad, m_codes, m_meta, v_codes, v_meta, s, len, j, n_groups, h,
+                                        mc, vc, m_table, v_table, skip_nonfinite);
           continue;
         }
-        write_group<PT>(param + s, m_codes + s, v_codes + s, len, h, scratch + offset[g],
+        write_group<PT>(param + s, shifted(rem, s), m_codes + s, v_codes + s, len, h, scratch + offset[g],
                         scratch + kScratch + offset[g], mk[g], mo[g], mm.general >> g & 1, vk[g], vo[g],
                         vm.general >> g & 1, mf, vf);
       }
@@ -791,17 +846,18 @@ int64_t step_fast(typename PT::T* param, const typename GT::T* grad, uint8_t* m_
 #endif
 
 template <typename PT, typename GT>
-int64_t step(typename PT::T* param, const typename GT::T* grad, uint8_t* m_codes, float* m_meta, uint8_t* v_codes,
+int64_t step(typename PT::T* param, uint16_t* rem, const typename GT::T* grad, uint8_t* m_codes, float* m_meta,
+             uint8_t* v_codes,
              float* v_meta, const int64_t* starts, const int64_t* lengths, int64_t n_groups, const Scalars h,
              const Moment mc, const Moment vc, const float* m_table, const float* v_table, bool skip_nonfinite) {
 #if defined(COAT_FAST_PATH)
-  return step_fast<PT, GT>(param, grad, m_codes, m_meta, v_codes, v_meta, starts, lengths, n_groups, h, mc, vc,
+  return step_fast<PT, GT>(param, rem, grad, m_codes, m_meta, v_codes, v_meta, starts, lengths, n_groups, h, mc, vc,
                            m_table, v_table, skip_nonfinite);
 #else
   int64_t skipped = 0;
 #pragma omp parallel for schedule(static) reduction(+ : skipped)
   for (int64_t j = 0; j < n_groups; ++j)
-    skipped += step_group<PT, GT>(param, grad, m_codes, m_meta, v_codes, v_meta, starts[j],
+    skipped += step_group<PT, GT>(param, rem, grad, m_codes, m_meta, v_codes, v_meta, starts[j],
                                   static_cast<int>(lengths[j]), j, n_groups, h, mc, vc, m_table, v_table,
                                   skip_nonfinite);
   return skipped;
@@ -829,8 +885,10 @@ int coat_fast_path() {
 #endif
 }
 
-// param_kind: 0 fp32, 1 bf16; grad_kind: 0 fp32, 1 bf16 (fp16 gradients are converted to fp32 by the caller).
-int64_t coat_fused_adamw_step(void* param, int param_kind, const void* grad, int grad_kind, uint8_t* m_codes,
+// param_kind: 0 fp32, 1 bf16, 2 bf16 with master remainders (int16, param's numel); grad_kind: 0 fp32, 1 bf16 (fp16
+// gradients are converted to fp32 by the caller).
+int64_t coat_fused_adamw_step(void* param, int param_kind, void* remainder, const void* grad, int grad_kind,
+                              uint8_t* m_codes,
                               float* m_meta, uint8_t* v_codes, float* v_meta, const int64_t* starts,
                               const int64_t* lengths, int64_t n_groups, const float* scalars, const float* m_consts,
                               const int* m_ints, const float* v_consts, const int* v_ints, const float* m_table,
@@ -843,9 +901,12 @@ int64_t coat_fused_adamw_step(void* param, int param_kind, const void* grad, int
   const auto* gb = static_cast<const uint16_t*>(grad);
   auto* pf = static_cast<float*>(param);
   auto* pb = static_cast<uint16_t*>(param);
+  auto* rem = param_kind == 2 ? static_cast<uint16_t*>(remainder) : nullptr;
   const auto args = [&](auto p, auto g, auto&& run) {
-    return run(p, g, m_codes, m_meta, v_codes, v_meta, starts, lengths, n_groups, h, mc, vc, m_table, v_table, skip);
+    return run(p, rem, g, m_codes, m_meta, v_codes, v_meta, starts, lengths, n_groups, h, mc, vc, m_table, v_table,
+               skip);
   };
+  if (param_kind == 2) return grad_kind == 0 ? args(pb, gf, step<BF16R, F32>) : args(pb, gb, step<BF16R, BF16>);
   if (param_kind == 0 && grad_kind == 0) return args(pf, gf, step<F32, F32>);
   if (param_kind == 0) return args(pf, gb, step<F32, BF16>);
   if (grad_kind == 0) return args(pb, gf, step<BF16, F32>);

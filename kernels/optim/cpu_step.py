@@ -40,6 +40,7 @@ SOURCE = Path(__file__).with_name("cpu_adamw.cpp")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 CACHE_DIR_VARIABLE = "COAT_FP8_CACHE_DIR"
 _PARAM_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+_BF16_WITH_REMAINDERS = 2
 _GRAD_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -254,17 +255,25 @@ def _ptr(t: torch.Tensor):
 
 
 def fused_adamw_step(param, grad, m_codes, m_meta, v_codes, v_meta, layout: GroupLayout, h: AdamWScalars,
-                     m_cfg: DREConfig, v_cfg: DREConfig, skip_nonfinite: bool = True) -> torch.Tensor:
+                     m_cfg: DREConfig, v_cfg: DREConfig, skip_nonfinite: bool = True,
+                     remainder: torch.Tensor | None = None) -> torch.Tensor:
     """dre_reference.fused_adamw_step, for CPU tensors (see the module docstring). Tensors that do not fit the
     layout raise ValueError before anything is read. The torch reference steps what the library does not take:
     parameters other than fp32 / bf16, non-contiguous tensors, groups larger than the library's limit
-    (`coat_max_group`, 1024 elements) and any step when the library cannot be built; the results are the same bits."""
+    (`coat_max_group`, 1024 elements) and any step when the library cannot be built; the results are the same bits.
+    remainder: a bf16 param's master remainders (see the reference)."""
     _check_step_arguments(param, grad, m_codes, m_meta, v_codes, v_meta, layout)
+    if remainder is not None and (param.dtype != torch.bfloat16 or remainder.dtype != torch.int16 or
+                                  remainder.numel() != layout.numel or not remainder.is_cpu):
+        raise ValueError(f"the CPU step: master remainders belong to a bf16 param and must be {layout.numel} int16 "
+                         f"CPU elements, got {remainder.dtype} {tuple(remainder.shape)} on {remainder.device} for a "
+                         f"{param.dtype} param")
     lib = library()
     if lib is None or param.dtype not in _PARAM_KINDS or layout.group_size > lib.coat_max_group() or not all(
-            t.is_contiguous() for t in (param, m_codes, m_meta, v_codes, v_meta)):
+            t.is_contiguous() for t in (param, m_codes, m_meta, v_codes, v_meta)) or (
+            remainder is not None and not remainder.is_contiguous()):
         return reference.fused_adamw_step(param, grad, m_codes, m_meta, v_codes, v_meta, layout, h, m_cfg, v_cfg,
-                                          skip_nonfinite)
+                                          skip_nonfinite, remainder=remainder)
     grad = grad.reshape(-1)
     if grad.dtype not in _GRAD_KINDS:
         grad = grad.float()
@@ -272,8 +281,9 @@ def fused_adamw_step(param, grad, m_codes, m_meta, v_codes, v_meta, layout: Grou
     starts, lengths = _bounds(layout)
     scalars = torch.tensor([getattr(h, f) for f in AdamWScalars.__dataclass_fields__], dtype=torch.float32)
     (m_consts, m_ints, m_table), (v_consts, v_ints, v_table) = _moment_args(m_cfg), _moment_args(v_cfg)
+    kind = _PARAM_KINDS[param.dtype] if remainder is None else _BF16_WITH_REMAINDERS
     skipped = lib.coat_fused_adamw_step(
-        _ptr(param), _PARAM_KINDS[param.dtype], _ptr(grad), _GRAD_KINDS[grad.dtype], _ptr(m_codes), _ptr(m_meta),
+        _ptr(param), kind, _ptr(param if remainder is None else remainder), _ptr(grad), _GRAD_KINDS[grad.dtype], _ptr(m_codes), _ptr(m_meta),
         _ptr(v_codes), _ptr(v_meta), _ptr(starts), _ptr(lengths), ctypes.c_int64(layout.num_groups), _ptr(scalars),
         _ptr(m_consts), _ptr(m_ints), _ptr(v_consts), _ptr(v_ints), _ptr(m_table), _ptr(v_table),
         int(skip_nonfinite), torch.get_num_threads())

@@ -22,6 +22,7 @@ import torch
 
 from .. import portable_math as pm
 from ..formats import FP8Format, get_format
+from . import master_remainders
 from .grouping import GroupLayout
 
 LOG2_RATIO_EPS = 2.0 ** -19  # log2 R at or below this counts as constant magnitude: k = 1
@@ -177,8 +178,12 @@ def adamw_update(p, g, m, v, h: AdamWScalars):
 
 
 def fused_adamw_step(param, grad, m_codes, m_meta, v_codes, v_meta, layout: GroupLayout, h: AdamWScalars,
-                     m_cfg: DREConfig, v_cfg: DREConfig, skip_nonfinite: bool = True) -> torch.Tensor:
+                     m_cfg: DREConfig, v_cfg: DREConfig, skip_nonfinite: bool = True,
+                     remainder: torch.Tensor | None = None) -> torch.Tensor:
     """In place: dequantize moments, AdamW, re-quantize; only elements inside groups change.
+
+    remainder: for a bf16 param, its master remainder (int16, numel elements): the step then reads and writes the
+    fp32 master (param, remainder) of coat_kernels.optim.master_remainders.
 
     Groups whose new second moment is not finite (a NaN/Inf gradient, or one whose square overflows fp32) keep
     their parameters, codes and metadata when skip_nonfinite. Returns the number of skipped groups (0-dim int64
@@ -186,7 +191,8 @@ def fused_adamw_step(param, grad, m_codes, m_meta, v_codes, v_meta, layout: Grou
     """
     index, mask = _group_index(layout, param.device)
     p_flat, g_flat = param.view(-1), grad.reshape(-1)
-    p = p_flat[index].float()
+    r_flat = None if remainder is None else remainder.view(-1)
+    p = p_flat[index].float() if r_flat is None else master_remainders.join(p_flat[index], r_flat[index])
     g = g_flat[index].float().masked_fill(~mask, 0.0)
     m = decode(_take(m_codes, index), m_meta)
     v = decode(_take(v_codes, index), v_meta)
@@ -197,7 +203,10 @@ def fused_adamw_step(param, grad, m_codes, m_meta, v_codes, v_meta, layout: Grou
                                                                                    device=g.device)
     write = mask & ~bad[:, None]
     idx = index[write]
-    p_flat[idx] = p[write].to(p_flat.dtype)
+    if r_flat is None:
+        p_flat[idx] = p[write].to(p_flat.dtype)
+    else:
+        p_flat[idx], r_flat[idx] = master_remainders.split(p[write])
     m_codes.view(torch.uint8)[idx] = mq.view(torch.uint8)[write]
     v_codes.view(torch.uint8)[idx] = vq.view(torch.uint8)[write]
     keep = bad[None, :]

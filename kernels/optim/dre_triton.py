@@ -35,6 +35,7 @@ NUM_WARPS = 2
 THREADS_PER_GROUP = 16  # Gluon layout: 16 threads x 2 loads of 4 elements per group of 128
 MAX_REGISTERS = 64  # per thread (ptxas maxnreg): 16 CTAs per SM instead of 10 at the compiler's 95 (measured faster)
 TILE_GROUPS = 8  # standalone quantize/dequantize: groups per program
+TABLE_COLUMNS: tl.constexpr = tl.constexpr(9)  # fused AdamW pointer table: see FusedAdamW._pointer_table
 LOG2_RATIO_EPS_C: tl.constexpr = tl.constexpr(LOG2_RATIO_EPS)
 MIN_NORMAL: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # 2^-126: smaller magnitudes count as zero
 
@@ -79,6 +80,25 @@ def _decode(raw, log2_table, inv_k, bias, SIGNED: tl.constexpr = True):
     if SIGNED:
         xa = tl.where(raw >= 128, -xa, xa)
     return xa
+
+
+@triton.jit
+def _join_master(hi16, lo16):
+    """fp32 masters of bf16 parameter bits and their remainders (uint16); see master_remainders.join."""
+    hi = hi16.to(tl.uint32)
+    lo = lo16.to(tl.uint32)
+    borrow = (lo >= 32768) & ((hi & 32767) != 32767)
+    return (((hi - borrow.to(tl.uint32)) << 16) | lo).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split_master(x):
+    """(bf16 parameter bits, remainder) as uint16 of fp32 masters; see master_remainders.split."""
+    b = x.to(tl.uint32, bitcast=True)
+    hi = b >> 16
+    lo = b & 65535
+    carry = (lo >= 32768) & ((hi & 32767) != 32767)
+    return (hi + carry.to(tl.uint32)).to(tl.uint16), lo.to(tl.uint16)
 
 
 @triton.jit
@@ -168,10 +188,12 @@ def _adamw_tile(
     V_INV_EMIN: tl.constexpr, V_KMAX: tl.constexpr,
     V_KEEP_NONZERO: tl.constexpr, V_MIN_SUB: tl.constexpr,
     SKIP_NONFINITE: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, ALIGNED: tl.constexpr, FULL: tl.constexpr,
+    REMAINDER: tl.constexpr,
 ):
     """One row (tensor, flat_start, numel, first_group): dequantize m and v, AdamW, re-quantize; see
     dre_reference.fused_adamw_step. FULL: the row's groups are all complete, so loads and stores need no element
-    mask and vectorize (a separate launch: a branch inside the kernel measured slower)."""
+    mask and vectorize (a separate launch: a branch inside the kernel measured slower). REMAINDER: the params are
+    bf16 with master remainders (table column 8), stepped as their fp32 masters."""
     t = tl.load(row)
     start = tl.load(row + 1)
     numel = tl.load(row + 2).to(tl.int32)
@@ -184,8 +206,12 @@ def _adamw_tile(
     gmask = groups * GROUP < numel
     if ALIGNED:
         start = tl.multiple_of(start, 16)
-    tab = tensors + t * 8
-    p_ptr = _ptr(tab, 0, P_DTYPE, ALIGNED) + start
+    tab = tensors + t * TABLE_COLUMNS
+    if REMAINDER:
+        p_ptr = _ptr(tab, 0, tl.uint16, ALIGNED) + start
+        r_ptr = _ptr(tab, 8, tl.uint16, ALIGNED) + start
+    else:
+        p_ptr = _ptr(tab, 0, P_DTYPE, ALIGNED) + start
     g_ptr = _ptr(tab, 1, G_DTYPE, ALIGNED) + start
     mq_ptr = _ptr(tab, 2, tl.uint8, ALIGNED) + start
     vq_ptr = _ptr(tab, 3, tl.uint8, ALIGNED) + start
@@ -202,7 +228,10 @@ def _adamw_tile(
     beta2 = tl.load(sc + 6)
     one_minus_beta2 = tl.load(sc + 7)
 
-    p = tl.load(p_ptr + local, mask=mask, other=0.0).to(tl.float32)
+    if REMAINDER:
+        p = _join_master(tl.load(p_ptr + local, mask=mask, other=0), tl.load(r_ptr + local, mask=mask, other=0))
+    else:
+        p = tl.load(p_ptr + local, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + local, mask=mask, other=0.0).to(tl.float32)
     m = _decode_group_tile(tl.load(mq_ptr + local, mask=mask, other=0), m_meta, n_groups, gid, gmask, m_table,
                            M_LOG2_MAX)
@@ -222,7 +251,12 @@ def _adamw_tile(
         tl.atomic_add(skipped, n_bad, mask=n_bad > 0)
         gmask = gmask & ~bad
         mask = mask & ~bad[:, None]
-    tl.store(p_ptr + local, p.to(P_DTYPE), mask=mask)
+    if REMAINDER:
+        p_bits, r_bits = _split_master(p)
+        tl.store(p_ptr + local, p_bits, mask=mask)
+        tl.store(r_ptr + local, r_bits, mask=mask)
+    else:
+        tl.store(p_ptr + local, p.to(P_DTYPE), mask=mask)
     _encode_group_tile(m, m_abs, tl.max(m_abs, axis=1), mask, mq_ptr + local, m_meta, n_groups, gid, gmask,
                        M_E5M2, M_EXPAND, M_LOG2_MAX, M_NUM, M_INV_EMIN, M_KMAX, M_KEEP_NONZERO, M_MIN_SUB)
     _encode_group_tile(v, v_abs, v_big, mask, vq_ptr + local, v_meta, n_groups, gid, gmask, V_E5M2, V_EXPAND,
@@ -240,14 +274,14 @@ def _fused_adamw_kernel(
     V_INV_EMIN: tl.constexpr, V_KMAX: tl.constexpr,
     V_KEEP_NONZERO: tl.constexpr, V_MIN_SUB: tl.constexpr,
     SKIP_NONFINITE: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, ALIGNED: tl.constexpr, FULL: tl.constexpr,
-    THREADS_PER_GROUP: tl.constexpr,
+    THREADS_PER_GROUP: tl.constexpr, REMAINDER: tl.constexpr,
 ):
     groups = tl.arange(0, NG)
     local = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     _adamw_tile(rows + tl.program_id(0) * 4, tensors, scalars, skipped, m_table, v_table, local, groups,
                 P_DTYPE, G_DTYPE, M_E5M2, M_EXPAND, M_LOG2_MAX, M_NUM, M_INV_EMIN, M_KMAX, M_KEEP_NONZERO,
                 M_MIN_SUB, V_E5M2, V_EXPAND, V_LOG2_MAX, V_NUM, V_INV_EMIN, V_KMAX, V_KEEP_NONZERO, V_MIN_SUB,
-                SKIP_NONFINITE, GROUP, NG, ALIGNED, FULL)
+                SKIP_NONFINITE, GROUP, NG, ALIGNED, FULL, REMAINDER)
 
 
 if gluon is not None:
@@ -262,7 +296,7 @@ if gluon is not None:
         V_INV_EMIN: gl.constexpr, V_KMAX: gl.constexpr,
         V_KEEP_NONZERO: gl.constexpr, V_MIN_SUB: gl.constexpr,
         SKIP_NONFINITE: gl.constexpr, GROUP: gl.constexpr, NG: gl.constexpr, ALIGNED: gl.constexpr,
-        FULL: gl.constexpr, THREADS_PER_GROUP: gl.constexpr,
+        FULL: gl.constexpr, THREADS_PER_GROUP: gl.constexpr, REMAINDER: gl.constexpr,
     ):
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // THREADS_PER_GROUP, THREADS_PER_GROUP],
                                                 [gl.num_warps(), 1], [1, 0])
@@ -271,7 +305,7 @@ if gluon is not None:
         _adamw_tile(rows + gl.program_id(0) * 4, tensors, scalars, skipped, m_table, v_table, local, groups,
                     P_DTYPE, G_DTYPE, M_E5M2, M_EXPAND, M_LOG2_MAX, M_NUM, M_INV_EMIN, M_KMAX, M_KEEP_NONZERO,
                     M_MIN_SUB, V_E5M2, V_EXPAND, V_LOG2_MAX, V_NUM, V_INV_EMIN, V_KMAX, V_KEEP_NONZERO, V_MIN_SUB,
-                    SKIP_NONFINITE, GROUP, NG, ALIGNED, FULL)
+                    SKIP_NONFINITE, GROUP, NG, ALIGNED, FULL, REMAINDER)
 
 
 def fused_adamw_kernel():
@@ -370,25 +404,35 @@ class FusedAdamW:
         self.layouts, self.device = layouts, device
         self._table_key, self._table, self._aligned = None, None, False
 
-    def _pointer_table(self, columns, scalar_index):
-        """int64 [n, 8] on the device: param, grad, m codes, v codes, m meta, v meta pointers, groups, scalars row.
-        Rebuilt when any pointer moves (states too: offloading swaps them)."""
-        key = (tuple(t.data_ptr() for col in columns for t in col), tuple(scalar_index))
+    def _pointer_table(self, columns, scalar_index, remainders):
+        """int64 [n, TABLE_COLUMNS] on the device: param, grad, m codes, v codes, m meta, v meta pointers, groups,
+        scalars row, remainder pointer (the param's again without remainders: never read). Rebuilt when any pointer
+        moves (states too: offloading swaps them)."""
+        remainder_column = columns[0] if remainders is None else remainders
+        key = (tuple(t.data_ptr() for col in (*columns, remainder_column) for t in col), tuple(scalar_index))
         if key != self._table_key:
             n = len(self.layouts)
-            ptrs = torch.tensor(key[0], dtype=torch.int64).view(len(columns), n)
+            ptrs = torch.tensor(key[0], dtype=torch.int64).view(len(columns) + 1, n)
             extra = torch.tensor([[lay.num_groups for lay in self.layouts], key[1]], dtype=torch.int64)
-            self._table = torch.cat([ptrs, extra]).t().contiguous().to(self.device)
-            self._aligned = self.rows_aligned and all(p % 16 == 0 for p in key[0][:4 * n])
+            self._table = torch.cat([ptrs[:-1], extra, ptrs[-1:]]).t().contiguous().to(self.device)
+            streamed = key[0][:4 * n] + key[0][len(columns) * n:]  # param, grad, codes, remainders: vector loads
+            self._aligned = self.rows_aligned and all(p % 16 == 0 for p in streamed)
             self._table_key = key
         return self._table
 
     def __call__(self, params, grads, m_codes, m_metas, v_codes, v_metas, scalars: list[AdamWScalars],
-                 m_cfg: DREConfig, v_cfg: DREConfig, skipped: torch.Tensor, skip_nonfinite: bool = True) -> None:
-        """Adds the number of skipped groups (non-finite new second moment) to `skipped` (int32 [1])."""
+                 m_cfg: DREConfig, v_cfg: DREConfig, skipped: torch.Tensor, skip_nonfinite: bool = True,
+                 remainders: list[torch.Tensor] | None = None) -> None:
+        """Adds the number of skipped groups (non-finite new second moment) to `skipped` (int32 [1]). remainders:
+        the bf16 params' master remainders (int16, one per element), stepped as their fp32 masters."""
+        if remainders is not None and (params[0].dtype != torch.bfloat16 or any(
+                r.dtype != torch.int16 or r.numel() != lay.numel or r.device != p.device or not r.is_contiguous()
+                for r, p, lay in zip(remainders, params, self.layouts))):
+            raise ValueError("master remainders belong to bf16 params: contiguous int16 tensors of each param's numel "
+                             "on its device")
         unique: dict[AdamWScalars, int] = {}
         scalar_index = [unique.setdefault(h, len(unique)) for h in scalars]
-        table = self._pointer_table((params, grads, m_codes, v_codes, m_metas, v_metas), scalar_index)
+        table = self._pointer_table((params, grads, m_codes, v_codes, m_metas, v_metas), scalar_index, remainders)
         pin = self.device.type == "cuda"
         consts = torch.tensor([[getattr(h, f) for f in AdamWScalars.__dataclass_fields__] for h in unique],
                               dtype=torch.float32, pin_memory=pin).to(self.device, non_blocking=True)
@@ -403,6 +447,7 @@ class FusedAdamW:
                     **{f"V_{k}": v for k, v in _moment_args(v_cfg).items()},
                     SKIP_NONFINITE=skip_nonfinite, GROUP=self.group_size, NG=self.groups_per_row,
                     ALIGNED=self._aligned, FULL=full, THREADS_PER_GROUP=self.threads_per_group,
+                    REMAINDER=remainders is not None,
                     enable_fp_fusion=False, num_warps=NUM_WARPS,
                     **({} if MAX_REGISTERS is None else dict(maxnreg=MAX_REGISTERS)),
                 )

@@ -6,6 +6,8 @@ An entry (one per parameter or flat partition) holds:
   group_size       int
   exp_avg_q        FP8 codes [numel]          exp_avg_meta     fp32 [3, n_groups] (k, log2 center, log2 scale*Q)
   exp_avg_sq_q     FP8 codes [numel]          exp_avg_sq_meta  fp32 [3, n_groups]
+and, for a bf16 tensor of an optimizer with master_remainders, also
+  master_remainder int16 [numel]: the low 16 bits of the fp32 master (coat_kernels.optim.master_remainders)
 The entry describes itself (segments and group size give the layout), so every function here works offline on a
 saved entry too. Every adapter (DeepSpeed, the universal-checkpoint tool, Megatron) goes through these functions.
 
@@ -26,7 +28,7 @@ from typing import Iterable
 import torch
 
 from . import dre_reference as reference
-from . import exact_export
+from . import exact_export, master_remainders
 from .dre_reference import DREConfig
 from .grouping import GroupLayout, build_layout, normalize_segments
 
@@ -34,6 +36,7 @@ CODE_KEYS = ("exp_avg_q", "exp_avg_sq_q")
 META_KEYS = ("exp_avg_meta", "exp_avg_sq_meta")
 MOMENTS = ("exp_avg", "exp_avg_sq")
 ENTRY_KEYS = ("step", "segments", "group_size") + CODE_KEYS + META_KEYS
+REMAINDER_KEY = "master_remainder"
 LOG2_LIMIT = 160.0  # |log2| of a group's decoded extremes: fp32 values lie within 2^-149 .. 2^128
 
 
@@ -45,6 +48,16 @@ class StateError(ValueError):
 def is_coat_state(entry) -> bool:
     """True for a CoatFP8AdamW entry (live or saved): FP8 codes with their segments."""
     return isinstance(entry, dict) and "exp_avg_q" in entry and "segments" in entry
+
+
+def needs_remainder(cfg, param_dtype) -> bool:
+    """Whether a tensor of `param_dtype` keeps a master remainder in its entry under the options `cfg`."""
+    return bool(cfg.master_remainders) and param_dtype == torch.bfloat16
+
+
+def zero_remainder(numel: int, device) -> torch.Tensor:
+    """The remainder of a master equal to its bf16 parameter (a fresh state starts there)."""
+    return torch.zeros(numel, dtype=master_remainders.REMAINDER_DTYPE, device=device)
 
 
 def layout_of(entry: dict) -> GroupLayout:
@@ -125,13 +138,24 @@ def moment_configs_of(group: dict) -> tuple[DREConfig, DREConfig]:
     return config_of(group).moment_configs()
 
 
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a state tensor holds: a quantized tensor subclass whose nominal dtype is not what it stores
+    (TransformerEngine's Float8Tensor) is counted by the tensors inside it."""
+    inner = [x for x in (getattr(t, name, None) for name in ("_data", "_transpose", "_scale_inv"))
+             if isinstance(x, torch.Tensor)]
+    if inner:
+        return sum(x.numel() * x.element_size() for x in inner)
+    return t.numel() * t.element_size()
+
+
 def entry_bytes(entry: dict) -> int:
-    return sum(t.numel() * t.element_size() for t in entry.values() if isinstance(t, torch.Tensor))
+    return sum(tensor_bytes(t) for t in entry.values() if isinstance(t, torch.Tensor))
 
 
 def state_report(optimizers: Iterable[torch.optim.Optimizer]) -> dict:
-    """Optimizer-state bytes (every state tensor: moments, their metadata, steps) against the elements of the
-    tensors that hold a state, over one process's torch optimizers (CoatFP8AdamW or any other)."""
+    """Optimizer-state bytes (every state tensor: moments, their metadata, master remainders or master copies,
+    steps) against the elements of the tensors that hold a state, over one process's torch optimizers (CoatFP8AdamW
+    or any other, TransformerEngine's FusedAdam with FP8 moments included)."""
     optimizers = list(optimizers)
     state_bytes = sum(entry_bytes(s) for opt in optimizers for s in opt.state.values())
     numel = sum(p.numel() for opt in optimizers for p in opt.state)
@@ -141,7 +165,8 @@ def state_report(optimizers: Iterable[torch.optim.Optimizer]) -> dict:
 
 
 # ---- validation ------------------------------------------------------------------------------------------------
-def validate_entry(entry, numel: int, cfg, where: str, segments=None, scan: bool = True) -> GroupLayout | None:
+def validate_entry(entry, numel: int, cfg, where: str, segments=None, scan: bool = True,
+                   param_dtype=None) -> GroupLayout | None:
     """Check one state entry against the tensor it belongs to (`numel` elements) and its param group's COAT options
     (`cfg`, an OptimizerConfig): every key, dtype and shape; segments (equal to `segments`, the runs this optimizer
     gives the tensor, when given) and group size; with `scan`, every value too (`scan_values`). Raises StateError
@@ -150,7 +175,9 @@ def validate_entry(entry, numel: int, cfg, where: str, segments=None, scan: bool
 
     Accepted: an empty entry, or one holding only the segments its state is to have; a CoatFP8AdamW entry
     (ENTRY_KEYS), possibly with fp32 moments beside it; a torch.optim.AdamW entry (step, exp_avg, exp_avg_sq, and
-    possibly segments) without amsgrad."""
+    possibly segments) without amsgrad. Either may hold a master remainder (int16, one per element): with
+    `param_dtype` given, only when `needs_remainder(cfg, param_dtype)`; an entry without one while the tensor needs
+    one is accepted (its master starts at the bf16 parameter, as a fresh state does)."""
     if not isinstance(entry, dict):
         raise StateError(f"{where}: a state entry must be a dict, got {type(entry).__name__}")
     _check_keys(entry, where)
@@ -164,6 +191,14 @@ def validate_entry(entry, numel: int, cfg, where: str, segments=None, scan: bool
         entry_layout({"group_size": cfg.group_size, **entry}, numel, where, segments)
     if "exp_avg" in entry or "exp_avg_sq" in entry:
         _check_fp32_moments(entry, numel, where)
+    if REMAINDER_KEY in entry:
+        check_remainder(entry[REMAINDER_KEY], numel, where)
+        if param_dtype is not None and not needs_remainder(cfg, param_dtype):
+            reason = ("the optimizer's master_remainders is off: turn it on to resume exactly, or drop the remainders "
+                      "(the bf16 parameters then become the masters)") if param_dtype == torch.bfloat16 else \
+                f"the tensor is {param_dtype}, its own master: only bf16 tensors keep remainders"
+            raise StateError(f"{where}: the entry holds {REMAINDER_KEY} (saved with master_remainders on a bf16 "
+                             f"tensor) but {reason}")
     if scan:
         scan_values(entry, layout, cfg, where)
     return layout
@@ -222,6 +257,19 @@ def check_tensors(entry: dict, layout: GroupLayout, cfg, where: str, device=None
                 raise StateError(f"{where}: {key} is on {t.device}, the tensor on {device}")
 
 
+def check_remainder(remainder, numel: int, where: str, device=None) -> None:
+    """O(1): a master remainder is an int16 tensor of the tensor's numel elements (any bit pattern is valid)."""
+    if not isinstance(remainder, torch.Tensor) or remainder.dtype != master_remainders.REMAINDER_DTYPE or \
+            remainder.numel() != numel:
+        hint = (" (torch.optim.AdamW's load_state_dict casts every state tensor to the parameter's dtype, which "
+                "loses the remainders: drop the key to start the masters at the parameters)"
+                if isinstance(remainder, torch.Tensor) and remainder.is_floating_point() else "")
+        raise StateError(f"{where}: {REMAINDER_KEY} must be an int16 tensor of {numel} elements (the low halves of "
+                         f"the fp32 master), got {_described(remainder)}{hint}")
+    if device is not None and remainder.device != device:
+        raise StateError(f"{where}: {REMAINDER_KEY} is on {remainder.device}, the tensor on {device}")
+
+
 def check_step(step, where: str) -> None:
     """A step count: a finite number >= 0 (a Python number or a one-element tensor)."""
     if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_complex():
@@ -253,10 +301,12 @@ def _check_keys(entry: dict, where: str) -> None:
     if "max_exp_avg_sq" in keys:
         raise StateError(f"{where}: the entry holds max_exp_avg_sq, the state of AdamW with amsgrad=True; "
                          "CoatFP8AdamW has no amsgrad: continue that run with torch.optim.AdamW")
+    keys.discard(REMAINDER_KEY)  # checked by validate_entry
     unknown = sorted(keys - set(ENTRY_KEYS) - set(MOMENTS), key=str)
     if unknown:
         raise StateError(f"{where}: unknown state key(s) {unknown}: not a CoatFP8AdamW or torch.optim.AdamW state "
-                         f"(CoatFP8AdamW keys: {', '.join(ENTRY_KEYS)}; AdamW keys: step, exp_avg, exp_avg_sq)")
+                         f"(CoatFP8AdamW keys: {', '.join(ENTRY_KEYS)}, {REMAINDER_KEY}; AdamW keys: step, exp_avg, "
+                         "exp_avg_sq)")
     moments = keys & set(MOMENTS)
     if keys <= {"segments"}:
         return  # no state yet (perhaps the segments the state made at the first step is to have)

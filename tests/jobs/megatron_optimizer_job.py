@@ -8,20 +8,28 @@ optimizer built by `get_megatron_optimizer` and its inner Adam swapped by `use_c
   the run tracks the stock torch-AdamW run;
 - checkpoints through dist_checkpointing in three sharding types (COAT -> COAT), and across optimizers
   (COAT -> torch AdamW, torch AdamW -> COAT); once more with TE FusedAdam's step convention;
-- Float16OptimizerWithFloat16Params (no distributed optimizer): steps and a checkpoint round trip.
+- Float16OptimizerWithFloat16Params (no distributed optimizer): steps and a checkpoint round trip;
+- the precision-aware optimizer (`--use-precision-aware-optimizer`, bf16 shards stepped with master remainders):
+  with fp32 main grads it trains bit for bit like the fp32-master run whose bf16 copies round ties away from zero;
+  with bf16 main grads every step equals a plain CoatFP8AdamW with master remainders on copies of the shards, and
+  checkpoints round-trip exactly, resume bit for bit and interchange with fp32-master runs.
 
 Test-only CPU shims (megatron-core's optimizers and buffers assume CUDA; applied in these worker processes only):
 torch.cuda.current_device -> cpu, torch.cuda.synchronize -> no-op, torch.cuda.current_stream -> a stream whose
 waits do nothing (megatron-core 0.19's grad sync), torch.tensor/zeros/empty/ones with
 device="cuda" -> cpu, and Tensor.type() without arguments answers "torch.cuda.<T>" (Megatron checks the type
-name of every parameter it wraps).
+name of every parameter it wraps). For the precision-aware optimizer, which megatron-core builds from
+TransformerEngine's FusedAdam (absent here), a stand-in module with FusedAdam's constructor signature while the
+optimizer is built (`use_coat_optimizer` replaces the stand-in before any step).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
+import types
 
 import torch
 from rank_helpers import init_gloo_rank
@@ -63,11 +71,47 @@ def apply_cpu_shims():
     torch.Tensor.type = cuda_type_name
 
 
-def build(distributed, coat, float16_module=True, **coat_options):
+class StandInFusedAdam(torch.optim.AdamW):
+    """TransformerEngine FusedAdam's constructor signature, as megatron-core checks and calls it; never stepped."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adam_w_mode=True,
+                 master_weights=False, master_weight_dtype=torch.float32, exp_avg_dtype=torch.float32,
+                 exp_avg_sq_dtype=torch.float32, use_decoupled_grad=False, store_param_remainders=False):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+@contextlib.contextmanager
+def stand_in_transformer_engine():
+    """megatron-core's precision-aware optimizer without TransformerEngine: a `transformer_engine` module of version
+    2.9 whose FusedAdam is StandInFusedAdam, while the optimizer is built; everything restored afterwards."""
+    import megatron.core.optimizer as megatron_optimizer
+    import megatron.core.utils as megatron_utils
+
+    te = types.ModuleType("transformer_engine")
+    te.__version__ = "2.9.0"
+    te.pytorch = types.ModuleType("transformer_engine.pytorch")
+    te.pytorch.optimizers = types.ModuleType("transformer_engine.pytorch.optimizers")
+    te.pytorch.optimizers.FusedAdam = StandInFusedAdam
+    modules = {"transformer_engine": te, "transformer_engine.pytorch": te.pytorch,
+               "transformer_engine.pytorch.optimizers": te.pytorch.optimizers}
+    saved = (megatron_optimizer.Adam, megatron_optimizer.USING_PYTORCH_OPTIMIZER, megatron_utils._te_version)
+    sys.modules.update(modules)
+    megatron_optimizer.Adam, megatron_optimizer.USING_PYTORCH_OPTIMIZER = StandInFusedAdam, False
+    try:
+        yield
+    finally:
+        for name in modules:
+            sys.modules.pop(name, None)
+        megatron_optimizer.Adam, megatron_optimizer.USING_PYTORCH_OPTIMIZER, megatron_utils._te_version = saved
+
+
+def build(distributed, coat, float16_module=True, precision_aware=False, main_grads_dtype=torch.float32,
+          **coat_options):
     """(DDP-wrapped tiny GPT, Megatron optimizer); same initial weights every time.
 
     float16_module: all parameters BF16, as megatron.training wraps them; else the norms stay fp32, whose
-    distributed-optimizer shards are views of the model parameters."""
+    distributed-optimizer shards are views of the model parameters. precision_aware: `--use-precision-aware-optimizer
+    --main-grads-dtype <main_grads_dtype>` (the grad buffer in that dtype, as megatron.training sets it)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
@@ -77,14 +121,17 @@ def build(distributed, coat, float16_module=True, **coat_options):
     from coat_megatron.optimizer import use_coat_optimizer
 
     config = make_config(1)
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, grad_reduce_in_fp32=True)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed,
+                                               grad_reduce_in_fp32=main_grads_dtype == torch.float32)
     gpt = build_gpt("local", config)
     model = DistributedDataParallel(config, ddp_config, Float16Module(config, gpt) if float16_module else gpt)
     model.gpt = gpt
-    opt_config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, bf16=True,
-                                 params_dtype=torch.bfloat16, use_distributed_optimizer=distributed,
-                                 clip_grad=CLIP_GRAD)
-    optimizer = get_megatron_optimizer(opt_config, [model])
+    with stand_in_transformer_engine() if precision_aware else contextlib.nullcontext():
+        opt_config = OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, bf16=True,
+                                     params_dtype=torch.bfloat16, use_distributed_optimizer=distributed,
+                                     clip_grad=CLIP_GRAD, use_precision_aware_optimizer=precision_aware,
+                                     main_grads_dtype=main_grads_dtype)
+        optimizer = get_megatron_optimizer(opt_config, [model])
     if coat:
         optimizer = use_coat_optimizer(optimizer, **{"group_size": 128, **coat_options})
     return model, optimizer
@@ -144,13 +191,14 @@ class LockstepReference:
         for g in coat.param_groups:
             groups.append({"params": self.copies[i:i + len(g["params"])]})
             i += len(g["params"])
-        self.reference = CoatFP8AdamW(groups, lr=LR, **{k: coat.defaults[k] for k in GROUP_OPTION_NAMES})
+        self.reference = CoatFP8AdamW(groups, lr=LR, master_remainders=coat.config.master_remainders,
+                                      **{k: coat.defaults[k] for k in GROUP_OPTION_NAMES})
         for copy, p in zip(self.copies, self._params()):
             self.reference.state[copy]["segments"] = coat.state[p]["segments"].clone()
         real_step = coat.step
 
         def step(closure=None):
-            grads = [p.grad.clone() for p in self._params()]
+            grads = [coat.param_gradient(p).clone() for p in self._params()]
             real_step()
             for ref_group, group in zip(self.reference.param_groups, coat.param_groups):
                 ref_group.update({k: group[k] for k in ("lr", "weight_decay", "betas", "eps")})
@@ -173,7 +221,9 @@ class LockstepReference:
             mine, ref = self.coat.state[p], self.reference.state[copy]
             same = torch.equal(copy, p) and all(torch.equal(mine[k].view(torch.uint8), ref[k].view(torch.uint8))
                                                 for k in ("exp_avg_q", "exp_avg_sq_q"))
-            if not (same and all(torch.equal(mine[k], ref[k]) for k in ("exp_avg_meta", "exp_avg_sq_meta", "step"))):
+            keys = ("exp_avg_meta", "exp_avg_sq_meta", "step") + (("master_remainder",) if "master_remainder" in ref
+                                                                  else ())
+            if not (same and set(mine) == set(ref) and all(torch.equal(mine[k], ref[k]) for k in keys)):
                 self.mismatches.append(tuple(p.shape))
 
 
@@ -264,13 +314,15 @@ def load(model, optimizer, ckpt, sharding_type, saved_by=None):
 
 
 def fp32_state(optimizer):
-    """[(main param, exp_avg, exp_avg_sq, step)] in the inner optimizer's order; COAT's dequantized."""
+    """[(fp32 master, exp_avg, exp_avg_sq, step)] in the inner optimizer's order; COAT's dequantized (its masters
+    joined from bf16 shards and remainders under the precision-aware optimizer)."""
     inner = wrapper_of(optimizer).optimizer
     out = []
     for p in main_params(optimizer):
         s = inner.state[p]
         m = inner.fp32_moments(p) if "exp_avg_q" in s else {k: s[k].reshape(-1) for k in ("exp_avg", "exp_avg_sq")}
-        out.append((p.detach().clone(), m["exp_avg"].clone(), m["exp_avg_sq"].clone(), float(s["step"])))
+        master = inner.fp32_master(p) if hasattr(inner, "fp32_master") else p.detach()
+        out.append((master.clone(), m["exp_avg"].clone(), m["exp_avg_sq"].clone(), float(s["step"])))
     return out
 
 
@@ -359,6 +411,111 @@ def float16_optimizer(out_dir):
     return result
 
 
+# ---- the precision-aware optimizer: bf16 shards with master remainders --------------------------------------------
+def copy_masters_ties_away(optimizer):
+    """Make a default (fp32 main params) distributed optimizer copy its masters into the bf16 model params the way
+    master remainders round (nearest, ties away from zero) instead of torch's ties-to-even `copy_`."""
+    from coat_kernels.optim.master_remainders import round_to_bf16
+
+    dist_opt = wrapper_of(optimizer)
+    original = dist_opt._copy_main_params_to_model_params
+
+    def copy_main_params_to_model_params():
+        original()
+        for main_group, model_group in zip(dist_opt.shard_fp32_from_float16_groups, dist_opt.model_float16_groups):
+            for main, model_param in zip(main_group, model_group):
+                world_range = dist_opt._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+                gbuf_index, _, bucket_id = dist_opt.model_param_gbuf_map[model_param]
+                buffer = dist_opt.buffers[gbuf_index].buckets[bucket_id].param_data
+                buffer.view(-1)[world_range.start:world_range.end].copy_(round_to_bf16(main))
+
+    dist_opt._copy_main_params_to_model_params = copy_main_params_to_model_params
+
+
+def model_params(model):
+    return {n: p.detach().clone() for n, p in model.gpt.named_parameters()}
+
+
+def masters(model, optimizer):
+    """{model parameter name: fp32 master of this rank's shard}."""
+    dist_opt = wrapper_of(optimizer)
+    names = {p: n.replace("module.", "") for n, p in model.named_parameters()}
+    out = {}
+    for model_param, (gi, go) in dist_opt.model_param_group_index_map.items():
+        out[names[model_param]] = dist_opt.optimizer.fp32_master(
+            dist_opt.optimizer.param_groups[gi]["params"][go]).clone()
+    return out
+
+
+def bitwise_equal(a, b):
+    return all(torch.equal(a[n].view(torch.int16 if a[n].element_size() == 2 else torch.int32),
+                           b[n].view(torch.int16 if b[n].element_size() == 2 else torch.int32)) for n in a)
+
+
+def precision_aware_vs_fp32_masters():
+    """fp32 main grads both ways: the precision-aware run (bf16 shards + remainders, decoupled grads) against the
+    default run (fp32 main params) whose bf16 copies round ties away: losses, masters, bf16 params, FP8 states."""
+    ref_model, ref_opt = build(True, True)
+    copy_masters_ties_away(ref_opt)
+    model, optimizer = build(True, True, precision_aware=True)
+    coat = wrapper_of(optimizer).optimizer
+    result = {"losses": [[train_step(ref_model, ref_opt, it) for it in range(STEPS)],
+                         [train_step(model, optimizer, it) for it in range(STEPS)]],
+              "masters_equal": bitwise_equal(masters(model, optimizer), masters(ref_model, ref_opt)),
+              "params_equal": bitwise_equal(model_params(model), model_params(ref_model)),
+              "remainders": all("master_remainder" in coat.state[p] for p in main_params(optimizer)),
+              "decoupled": coat.decoupled_grads and coat.config.master_remainders}
+    ref_state, state = fp32_state(ref_opt), fp32_state(optimizer)
+    result["moments_equal"] = all(torch.equal(x[i], y[i]) for x, y in zip(ref_state, state) for i in (1, 2))
+    return result
+
+
+def precision_aware_bf16_grads(out_dir):
+    """--main-grads-dtype bf16: lockstep against a plain CoatFP8AdamW, memory, checkpoints."""
+    model, optimizer = build(True, True, precision_aware=True, main_grads_dtype=torch.bfloat16)
+    coat = wrapper_of(optimizer).optimizer
+    lockstep = LockstepReference(coat)
+    losses = [train_step(model, optimizer, it) for it in range(STEPS)]
+    shards = main_params(optimizer)
+    result = {"losses": losses, **lockstep.result(),
+              "grad_dtypes": sorted({str(p.decoupled_grad.dtype) for p in shards if p.decoupled_grad is not None}),
+              "param_dtypes": sorted({str(p.dtype) for p in shards}),
+              "state_bytes_per_element": coat.state_bytes() / sum(p.numel() for p in shards),
+              "remainder_bytes": sum(coat.state[p]["master_remainder"].numel() * 2 for p in shards),
+              "local_numel": sum(p.numel() for p in shards)}
+    saved = fp32_state(optimizer)
+    saved_masters = masters(model, optimizer)
+    checkpoints, resumed = {}, None
+    for sharding_type in ("dp_reshardable", "fully_reshardable", "torch"):
+        ckpt = os.path.join(out_dir, f"ckpt_pa_{sharding_type}")
+        save(model, optimizer, ckpt, sharding_type)
+        fresh = build(True, True, precision_aware=True, main_grads_dtype=torch.bfloat16)
+        load(*fresh, ckpt, sharding_type, saved_by=model)
+        report = loaded_state_report(fresh[1], saved)
+        report["masters_exact"] = bitwise_equal(masters(*fresh), saved_masters)
+        checkpoints[sharding_type] = report
+        resumed = resumed or fresh
+    # interchangeable with fp32-master runs: the fp32 "param" on disk is the master either way (in the model-space
+    # format: the others name tensors by the grad buffer's dtype, bf16 here and fp32 there)
+    fp32_model, fp32_opt = build(True, True)
+    load(fp32_model, fp32_opt, os.path.join(out_dir, "ckpt_pa_fully_reshardable"), "fully_reshardable")
+    checkpoints["to_fp32_masters"] = {"masters_exact": bitwise_equal(masters(fp32_model, fp32_opt), saved_masters),
+                                      **compare_states(fp32_state(fp32_opt), saved)}
+    save(fp32_model, fp32_opt, os.path.join(out_dir, "ckpt_fp32_masters"), "fully_reshardable")
+    back = build(True, True, precision_aware=True, main_grads_dtype=torch.bfloat16)
+    load(*back, os.path.join(out_dir, "ckpt_fp32_masters"), "fully_reshardable")
+    checkpoints["from_fp32_masters"] = {"masters_exact": bitwise_equal(masters(*back), saved_masters),
+                                        **compare_states(fp32_state(back[1]), saved)}
+    losses = [[train_step(*resumed, it) for it in (STEPS, STEPS + 1)],
+              [train_step(model, optimizer, it) for it in (STEPS, STEPS + 1)]]
+    checkpoints["resumed_vs_uninterrupted"] = {
+        "losses": losses, "params_exact": bitwise_equal(model_params(resumed[0]), model_params(model)),
+        "masters_exact": bitwise_equal(masters(*resumed), masters(model, optimizer)),
+        "state": compare_states(fp32_state(resumed[1]), fp32_state(optimizer))}
+    result["checkpoints"] = checkpoints
+    return result
+
+
 def worker(rank, world, out_dir, port):
     apply_cpu_shims()
     init_gloo_rank(rank, world, port)
@@ -373,6 +530,8 @@ def worker(rank, world, out_dir, port):
     res["bf16_e5m2"] = train_and_compare(distributed=True, exp_avg_sq_format="e5m2")[2]
     res["checkpoints"] = checkpoints(model, optimizer, out_dir)
     res["float16"] = float16_optimizer(out_dir)
+    res["precision_aware_fp32_grads"] = precision_aware_vs_fp32_masters()
+    res["precision_aware_bf16_grads"] = precision_aware_bf16_grads(out_dir)
     res["seconds"] = time.time() - t0
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f, indent=1)

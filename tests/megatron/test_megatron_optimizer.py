@@ -103,6 +103,48 @@ def test_resumed_run_continues_like_the_uninterrupted_one(job):
         assert r["exact"] and r["state"]["exact"], r  # two steps after the load, bit for bit
 
 
+def test_precision_aware_optimizer_trains_like_fp32_masters(job):
+    """`--use-precision-aware-optimizer`: Megatron keeps no fp32 main params; COAT steps the bf16 shards with master
+    remainders, reading Megatron's decoupled gradients. With fp32 main grads it is bit-identical, for every step,
+    to the default run (fp32 main params) whose bf16 copies round ties away from zero, as remainders do."""
+    for rank in job:
+        r = rank["precision_aware_fp32_grads"]
+        assert r["decoupled"] and r["remainders"]
+        assert r["losses"][0] == r["losses"][1]
+        assert r["masters_equal"] and r["params_equal"] and r["moments_equal"]
+
+
+def test_bf16_main_grads_with_remainders(job):
+    """`--use-precision-aware-optimizer --main-grads-dtype bf16`: bf16 shards and bf16 gradients reach the optimizer,
+    every step equals a plain CoatFP8AdamW with master remainders on copies of the shards, and the optimizer state
+    is 2 bytes of remainder + FP8 moments per shard element."""
+    for rank in job:
+        r = rank["precision_aware_bf16_grads"]
+        assert r["grad_dtypes"] == ["torch.bfloat16"] and r["param_dtypes"] == ["torch.bfloat16"]
+        assert r["lockstep_steps"] == 3 and r["lockstep_mismatches"] == []
+        assert r["remainder_bytes"] == 2 * r["local_numel"]
+        assert 4.1 < r["state_bytes_per_element"] < 4.3
+
+
+@pytest.mark.parametrize("sharding", ["dp_reshardable", "fully_reshardable", "torch"])
+def test_precision_aware_checkpoints_are_exact(job, sharding):
+    """The fp32 master goes to disk as Megatron's `param`: bf16 shards and remainders come back bit for bit."""
+    for rank in job:
+        r = rank["precision_aware_bf16_grads"]["checkpoints"][sharding]
+        assert r["exact"] and r["masters_exact"] and r["fp8"], r
+        assert r["steps"] == r["expected_steps"] == [3.0]
+
+
+def test_precision_aware_checkpoints_interchange_with_fp32_masters_and_resume_exactly(job):
+    for rank in job:
+        checkpoints = rank["precision_aware_bf16_grads"]["checkpoints"]
+        for direction in ("to_fp32_masters", "from_fp32_masters"):
+            assert checkpoints[direction]["masters_exact"] and checkpoints[direction]["exact"], direction
+        resumed = checkpoints["resumed_vs_uninterrupted"]
+        assert resumed["losses"][0] == resumed["losses"][1]
+        assert resumed["params_exact"] and resumed["masters_exact"] and resumed["state"]["exact"]
+
+
 # ---- in-process ---------------------------------------------------------------------------------------------------
 def test_load_state_dict_gives_each_param_its_own_step():
     """Megatron hands every state entry one shared `step` tensor on load; in-place increments must not add up."""
@@ -148,7 +190,9 @@ def test_torch_format_state_dict_round_trips_through_torch_adamw():
 
 @pytest.mark.parametrize("config, message", [
     (dict(optimizer="sgd"), "--optimizer sgd"),
-    (dict(use_precision_aware_optimizer=True), "--use-precision-aware-optimizer"),
+    (dict(use_precision_aware_optimizer=True, exp_avg_dtype=torch.uint8), "--exp-avg-dtype fp8"),
+    (dict(use_precision_aware_optimizer=True, exp_avg_sq_dtype=torch.bfloat16), "--exp-avg-sq-dtype bf16"),
+    (dict(use_precision_aware_optimizer=True, main_params_dtype=torch.float16), "--main-params-dtype fp16"),
     (dict(optimizer_cpu_offload=True), "--optimizer-cpu-offload"),
     (dict(decoupled_weight_decay=False), "L2 weight decay"),
 ])

@@ -179,7 +179,7 @@ from coat_kernels.optim import dre_reference as ref, dre_triton as tri
 kernel = tri._fused_adamw_gluon
 groups_per_row, threads_per_group = tri.launch_shape(128)
 consts = dict(P_DTYPE=tl.float32, G_DTYPE=tl.bfloat16, SKIP_NONFINITE=True, GROUP=128, NG=groups_per_row,
-              ALIGNED=True, FULL=sys.argv[1] == "full", THREADS_PER_GROUP=threads_per_group,
+              ALIGNED=True, FULL=sys.argv[1] == "full", THREADS_PER_GROUP=threads_per_group, REMAINDER=False,
               **{f"{m}_{k}": v for m in "MV" for k, v in tri._moment_args(ref.DREConfig("e4m3")).items()})
 pointers = {"rows": "*i64", "tensors": "*i64", "skipped": "*i32"}
 signature = {n: "constexpr" if n in consts else pointers.get(n, "*fp32") for n in kernel.arg_names}
