@@ -41,7 +41,8 @@ def distributions():
 def main():
     kinds = {"fp32": 4, "bf16 nearest": 2, "bf16 up": 2, "e8m0": 1}
     print("relative L2 error by scale storage; bytes/element")
-    print(f"{'distribution':24s} {'fmt':5s} " + "  ".join(f"{k} ({1 + b / 16:.4f} B)".rjust(24) for k, b in kinds.items()))
+    columns = "  ".join(f"{k} ({1 + b / 16:.4f} B)".rjust(24) for k, b in kinds.items())
+    print(f"{'distribution':24s} {'fmt':5s} " + columns)
     for name, x in distributions():
         for fmt in (E4M3, E5M2):
             cells = []

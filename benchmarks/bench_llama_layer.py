@@ -113,7 +113,8 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     shape = (2, 256, 1024, 2816, 8) if args.quick else (4, 2048, 4096, 11008, 32)
     bsz, seq, h, ffn, heads = shape
-    lc.log(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  shape {shape}  skip={sorted(skip - {''})}")
+    lc.log(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  shape {shape}  "
+           f"skip={sorted(skip - {''})}")
     ref32, layer = lc.make_layers("cuda", bsz, seq, h, ffn, heads)
     x = torch.randn(bsz, seq, h, device="cuda").to(torch.bfloat16).requires_grad_()
     coat = lc.coat_layer(layer)
@@ -161,7 +162,8 @@ def main():
     lc.save_json(results, "bench_llama_layer.json")
     lc.chart(rows, os.path.join(lc.OUT, "llama_layer.png"),
              f"Llama-2-7B decoder layer, batch {bsz} x seq {seq}, {torch.cuda.get_device_name()}")
-    lc.log("\n| variant | fwd+bwd ms (median) | min | back to back | host ahead | saved MiB |\n|---|---|---|---|---|---|")
+    lc.log("\n| variant | fwd+bwd ms (median) | min | back to back | host ahead | saved MiB |\n"
+           "|---|---|---|---|---|---|")
     for r in rows:
         mib = "n/a" if math.isnan(r["saved_mib"]) else f"{r['saved_mib']:.0f}"
         lc.log(f"| {r['variant']} | {r['ms']:.2f} | {r['ms_min']:.2f} | {r.get('ms_steady', math.nan):.2f} | "

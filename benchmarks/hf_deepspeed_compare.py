@@ -7,6 +7,7 @@ Arms (each is `launch/train_ds.py` with a ds_config and, for the peers, one flag
   coat_optim    "type": "CoatFP8AdamW" (optimizer half only)      configs/ds_zero2_coat.json
   coat          CoatFP8AdamW + "coat": {"fp8_activations": true}  configs/ds_zero2_coat_full.json
   coat_graphs   coat + "cuda_graphs": true (per-layer CUDA graphs) configs/ds_zero2_coat_graphs.json
+  coat_remainders  coat + bf16 masters with 16-bit remainders     configs/ds_zero2_coat_remainders.json
   torchao       torchao float8 tensorwise + compile + AdamW       configs/ds_zero2_adamw_bf16.json + --torchao-float8
 
     python benchmarks/hf_deepspeed_compare.py [--model tinyllama-1b] [--micro-batch 8 | --micro-batches 1,2,4,8]
@@ -38,6 +39,7 @@ ARMS = {
     "coat_optim": ("configs/ds_zero2_coat.json", []),
     "coat": ("configs/ds_zero2_coat_full.json", []),
     "coat_graphs": ("configs/ds_zero2_coat_graphs.json", []),
+    "coat_remainders": ("configs/ds_zero2_coat_remainders.json", []),
     "torchao": ("configs/ds_zero2_adamw_bf16.json", ["--torchao-float8"]),
 }
 

@@ -99,11 +99,13 @@ def main():
         dv = roundtrip(v, ref.DREConfig(vc.pop("fmt", "e4m3"), keep_nonzero=True, **vc))
         print(f"{name:<34} {((dm / (dv.sqrt() + 1e-8) - exact) ** 2).mean().item():18.5f}")
     m_cfg, v_cfg = ref.DREConfig("e4m3"), ref.DREConfig("e4m3", keep_nonzero=True)
-    for name, f in (("  the same, k held at >= 1", roundtrip_k_at_least_1), ("  the same, exact math", roundtrip_exact_math)):
+    for name, f in (("  the same, k held at >= 1", roundtrip_k_at_least_1),
+                    ("  the same, exact math", roundtrip_exact_math)):
         dm, dv = f(m, m_cfg), f(v, v_cfg)
         print(f"{name:<34} {((dm / (dv.sqrt() + 1e-8) - exact) ** 2).mean().item():18.5f}")
 
-    print(f"\n{'decades of |m|':<16} {'k >= 1/16':>10} {'k >= 1':>10} {'exact math':>11}   relative MSE of m/(sqrt(v)+eps)")
+    print(f"\n{'decades of |m|':<16} {'k >= 1/16':>10} {'k >= 1':>10} {'exact math':>11}   "
+          "relative MSE of m/(sqrt(v)+eps)")
     for decades in (1, 2, 3, 4, 5):
         m, v = wide_range_moments(decades)
         errors = [ratio_error(f, m, v, m_cfg, v_cfg) for f in (roundtrip, roundtrip_k_at_least_1, roundtrip_exact_math)]

@@ -8,7 +8,8 @@ relative error < 4e-6 (degree 4); the coarse degree-3 pair: 1.2e-4 and 7.7e-5.
 Domain: log2 of x >= 0; inputs below fp32's smallest normal (2^-126: zero and subnormals) give -inf, so
 subnormal magnitudes quantize to zero. exp2 of y returns 0 below -126 and saturates at fp32's largest finite value
 (y up to 128: the decoder's results stay finite for every finite fp32 moment); the coarse exp2 (the encoder's, whose
-results stay below the FP8 maximum) is meant for y < 127.5. Integer <-> float conversions go through magic-number additions instead of F2I/I2F/FRND, which
+results stay below the FP8 maximum) is meant for y < 127.5. Integer <-> float conversions go through magic-number
+additions instead of F2I/I2F/FRND, which
 run at a fraction of the FMA rate on Hopper.
 """
 import torch

@@ -1,7 +1,8 @@
 """Triton device helpers shared by every COAT kernel: fp32 -> FP8, nearest even, saturating, NaN kept.
 
 On the GPU `to_e4m3` / `to_e5m2` are the hardware conversion (cvt.rn.satfinite: round to nearest even like
-torch's cast, saturating out-of-range values and infinities to +-max like a clamp before it, NaN kept). Under TRITON_INTERPRET they first round to the FP8 grid with plain fp32 arithmetic (`round_to_fp8_grid`),
+torch's cast, saturating out-of-range values and infinities to +-max like a clamp before it, NaN kept). Under
+TRITON_INTERPRET they first round to the FP8 grid with plain fp32 arithmetic (`round_to_fp8_grid`),
 because the interpreter's own fp32->fp8 cast mis-rounds values whose mantissa carries into the exponent
 (-127.76 -> -64); its NaN -> e4m3 gives 384 instead of NaN. Both paths give torch's codes for finite inputs.
 """

@@ -11,7 +11,8 @@ documentation topics, tokenized with a byte-level BPE trained on them, cached.
 - Tokenizer: Hugging Face `tokenizers` byte-level BPE (no unknown tokens), trained on the training split only, with
   `<|endoftext|>` between documents (and as the end-of-sequence token). Saved as a Hugging Face tokenizer directory
   (tokenizer.json + tokenizer_config.json), which `AutoTokenizer` and Megatron's `HuggingFaceTokenizer` load.
-- Cache: `$XDG_CACHE_HOME/coat_fp8/corpus-<key>/` (default `~/.cache/...`) (tokenizer.json, train.bin / val.bin as uint16 or uint32 token arrays,
+- Cache: `$XDG_CACHE_HOME/coat_fp8/corpus-<key>/` (default `~/.cache/...`) (tokenizer.json, train.bin / val.bin as
+uint16 or uint32 token arrays,
   meta.json), keyed by the Python version, the documents' names and sizes, the vocabulary size and the split; a
   second run loads it at once. `CorpusError` when the corpus cannot be read.
 """
@@ -122,7 +123,8 @@ def load(vocab_size: int = 8192, val_percent: float = 5.0, cache_root: Path | No
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
         dtype = np.dtype(meta["dtype"])
-        return Corpus(np.fromfile(directory / "train.bin", dtype=dtype), np.fromfile(directory / "val.bin", dtype=dtype),
+        return Corpus(np.fromfile(directory / "train.bin", dtype=dtype),
+                      np.fromfile(directory / "val.bin", dtype=dtype),
                       meta["vocab_size"], directory, meta)
     texts = [(doc[0], _read(doc)) for doc in docs]
     train = [t for name, t in texts if not in_validation(name, val_percent)]

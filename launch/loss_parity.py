@@ -5,7 +5,7 @@ seeds to show seed-to-seed noise.
 One process per arm (they may run side by side on one GPU); each writes <out>/<arm>-seed<seed>.json after every
 evaluation, so a run cut short still reports how far it got:
 
-    python -m launch.loss_parity --arm bf16 --seed 0 --out runs/parity      # arms: bf16 coat_optim coat_act coat torchao
+    python -m launch.loss_parity --arm bf16 --seed 0 --out runs/parity   # arms: bf16 coat_optim coat_act coat torchao
     python -m launch.loss_parity --report runs/parity                         # table (results.md) and curves.png
 
 The report compares final validation losses with BF16 seed 0 (same initialisation and batches as every other arm)

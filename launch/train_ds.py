@@ -6,7 +6,8 @@
 
 Prints per step: loss (mean over ranks), step time, tokens/s; after the first step the optimizer-state bytes of
 every rank; at the end peak memory per rank and a JSON summary line (`SUMMARY {...}`: also the median time of
-`engine.step()` alone and rank 0's peak CPU resident set, which holds the optimizer states under ZeRO-Offload). `--csv` writes the curve.
+`engine.step()` alone and rank 0's peak CPU resident set, which holds the optimizer states under ZeRO-Offload). `--csv`
+writes the curve.
 The optimizer, ZeRO stage and precision come from the DeepSpeed config; this script only sets the batch sizes
 (`--global-batch` sequences per step, split over the data-parallel ranks) and, with `--lr`, the peak learning rate.
 
@@ -133,7 +134,8 @@ def main(argv=None):
             import importlib
             importlib.import_module("deepspeed.comm.torch")
             sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
+    single = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    for key, value in single.items():
         os.environ.setdefault(key, value)  # plain `python launch/train_ds.py`: one rank, no launcher
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -149,7 +151,8 @@ def main(argv=None):
     if rank == 0:
         print(f"[train_ds] {label}: {args.model} ({n_params / 1e9:.3f} B params), {world} rank(s), global batch "
               f"{args.global_batch} x {args.seq_len}, optimizer {type(engine.basic_optimizer).__name__} in "
-              f"{type(engine.optimizer).__name__}, device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}",
+              f"{type(engine.optimizer).__name__}, device "
+              f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}",
               flush=True)
 
     rows, step_times, optimizer_times, host_times = [], [], [], []
@@ -201,7 +204,8 @@ def main(argv=None):
                        first_loss=rows[0][1], final_loss=rows[-1][1],
                        mean_loss_last10=statistics.fmean(r[1] for r in rows[-10:]),
                        median_step_ms=median_s * 1e3, tokens_per_s=tokens_per_step / median_s,
-                       median_optimizer_step_ms=statistics.median(optimizer_times[min(10, len(step_times) // 2):]) * 1e3,
+                       median_optimizer_step_ms=statistics.median(optimizer_times[min(10, len(step_times) // 2):])
+                       * 1e3,
                        median_fwd_bwd_host_ms=statistics.median(host_times[min(10, len(step_times) // 2):]) * 1e3,
                        cpu_peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20,
                        peak_memory_gib=[b / 2 ** 30 for b in peaks],

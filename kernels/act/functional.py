@@ -85,7 +85,8 @@ def fp8_linear(x, weight, bias=None, *, config: ActivationConfig | None = None, 
     re-quantizes it in backward."""
     if torch.compiler.is_compiling():
         return compiled_ops.fp8_linear(x, weight, bias, config, reuse_input)
-    return _Fp8Linear.apply(x, bias, usable_cache(weight_cache, config, runtime), reuse_input, block_env(x, config, runtime),
+    return _Fp8Linear.apply(x, bias, usable_cache(weight_cache, config, runtime), reuse_input,
+                            block_env(x, config, runtime),
                             *as_pieces(weight).tensors)
 
 
@@ -142,8 +143,9 @@ def fp8_norm_linear(x, norm_weight, norm_bias, weight, bias=None, *, norm="rmsno
     if torch.compiler.is_compiling():
         return compiled_ops.fp8_norm_linear(x, None, norm_weight, norm_bias, weight, bias, norm, eps,
                                             zero_centered_gamma, residual_out, config)
-    return _Fp8NormLinear.apply(x, None, norm_weight, norm_bias, bias, usable_cache(weight_cache, config, runtime), norm, eps,
-                                zero_centered_gamma, residual_out, block_env(x, config, runtime), *as_pieces(weight).tensors)
+    return _Fp8NormLinear.apply(x, None, norm_weight, norm_bias, bias, usable_cache(weight_cache, config, runtime),
+                                norm, eps, zero_centered_gamma, residual_out, block_env(x, config, runtime),
+                                *as_pieces(weight).tensors)
 
 
 def fp8_add_norm_linear(x, residual, norm_weight, norm_bias, weight, bias=None, *, norm="rmsnorm", eps=1e-5,
@@ -154,8 +156,9 @@ def fp8_add_norm_linear(x, residual, norm_weight, norm_bias, weight, bias=None, 
     if torch.compiler.is_compiling():
         return compiled_ops.fp8_norm_linear(x, residual, norm_weight, norm_bias, weight, bias, norm, eps,
                                             zero_centered_gamma, False, config)
-    return _Fp8NormLinear.apply(x, residual, norm_weight, norm_bias, bias, usable_cache(weight_cache, config, runtime), norm,
-                                eps, zero_centered_gamma, False, block_env(x, config, runtime), *as_pieces(weight).tensors)
+    return _Fp8NormLinear.apply(x, residual, norm_weight, norm_bias, bias, usable_cache(weight_cache, config, runtime),
+                                norm, eps, zero_centered_gamma, False, block_env(x, config, runtime),
+                                *as_pieces(weight).tensors)
 
 
 class _Fp8SwigluLinear(torch.autograd.Function):

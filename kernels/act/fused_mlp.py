@@ -82,7 +82,8 @@ class _Fp8NormMLP(torch.autograd.Function):
             dp = fp8_gemm(dy8, w2_t, dy_scale, w2_scale, ctx.out_dtype)
             del dy8, w2_t
             if ctx.b1_dtype is None:  # d[gate | up] straight to E5M2 (a BF16 copy only if fc1 has a bias)
-                amax_da, p8_t = swiglu.swiglu_backward_amax(qa, ea, dp, tri, product_scale=p_scale if need_dw2 else None,
+                amax_da, p8_t = swiglu.swiglu_backward_amax(qa, ea, dp, tri,
+                                                            product_scale=p_scale if need_dw2 else None,
                                                             tickets=env.tickets)
         if need_dw2:
             if p8_t is None:
@@ -128,5 +129,5 @@ def fp8_norm_swiglu_mlp(x, norm_weight, norm_bias, fc1_weight, fc2_weight, fc1_b
         return compiled_ops.fp8_norm_swiglu_mlp(x, norm_weight, norm_bias, fc1_weight, fc2_weight, fc1_bias, fc2_bias,
                                                 residual, norm, eps, zero_centered_gamma, config)
     return _Fp8NormMLP.apply(x, residual, norm_weight, norm_bias, fc1_bias, fc2_weight, fc2_bias,
-                             usable_cache(fc1_cache, config, runtime), usable_cache(fc2_cache, config, runtime), norm, eps,
-                             zero_centered_gamma, block_env(x, config, runtime), *as_pieces(fc1_weight).tensors)
+                             usable_cache(fc1_cache, config, runtime), usable_cache(fc2_cache, config, runtime), norm,
+                             eps, zero_centered_gamma, block_env(x, config, runtime), *as_pieces(fc1_weight).tensors)

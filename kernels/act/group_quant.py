@@ -3,7 +3,8 @@
 One scale per 16 consecutive elements of the last dim, computed in fp32 as amax / FP8_MAX, rounded to the nearest
 bf16 value (ties to even) and stored as bf16; where that rounds down, the group's largest element saturates to
 FP8_MAX (an error below bf16's half step, smaller than rounding the scale up: benchmarks/bench_act_scale_dtype.py).
-A group holding Inf/NaN gets a NaN scale and dequantizes to NaN (only that group). Each op has a torch reference (the CPU path and the test oracle) and a Triton kernel.
+A group holding Inf/NaN gets a NaN scale and dequantizes to NaN (only that group). Each op has a torch reference (the
+CPU path and the test oracle) and a Triton kernel.
 """
 from __future__ import annotations
 

@@ -193,7 +193,8 @@ def norm_forward_reference(x, weight, bias, residual, is_rms, eps, zero_centered
 
 def norm_output_reference(q, e, mean, rstd, weight, bias, zero_centered):
     """fp32 normalized output recomputed from the FP8 copy (what the GEMM input is quantized from)."""
-    return _normalize_reference(group_dequantize_reference(q, e, torch.float32), mean, rstd, weight, bias, zero_centered)
+    x = group_dequantize_reference(q, e, torch.float32)
+    return _normalize_reference(x, mean, rstd, weight, bias, zero_centered)
 
 
 def norm_backward_reference(q, e, mean, rstd, weight, dy, dres, has_bias, zero_centered):

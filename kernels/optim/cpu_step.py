@@ -283,8 +283,8 @@ def fused_adamw_step(param, grad, m_codes, m_meta, v_codes, v_meta, layout: Grou
     (m_consts, m_ints, m_table), (v_consts, v_ints, v_table) = _moment_args(m_cfg), _moment_args(v_cfg)
     kind = _PARAM_KINDS[param.dtype] if remainder is None else _BF16_WITH_REMAINDERS
     skipped = lib.coat_fused_adamw_step(
-        _ptr(param), kind, _ptr(param if remainder is None else remainder), _ptr(grad), _GRAD_KINDS[grad.dtype], _ptr(m_codes), _ptr(m_meta),
-        _ptr(v_codes), _ptr(v_meta), _ptr(starts), _ptr(lengths), ctypes.c_int64(layout.num_groups), _ptr(scalars),
-        _ptr(m_consts), _ptr(m_ints), _ptr(v_consts), _ptr(v_ints), _ptr(m_table), _ptr(v_table),
+        _ptr(param), kind, _ptr(param if remainder is None else remainder), _ptr(grad), _GRAD_KINDS[grad.dtype],
+        _ptr(m_codes), _ptr(m_meta), _ptr(v_codes), _ptr(v_meta), _ptr(starts), _ptr(lengths),
+        ctypes.c_int64(layout.num_groups), _ptr(scalars), _ptr(m_consts), _ptr(m_ints), _ptr(v_consts), _ptr(v_ints), _ptr(m_table), _ptr(v_table),
         int(skip_nonfinite), torch.get_num_threads())
     return torch.tensor(skipped, dtype=torch.int64)

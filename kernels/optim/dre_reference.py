@@ -1,7 +1,8 @@
 """PyTorch reference of COAT's FP8 group quantization with Dynamic Range Expansion, and of the fused AdamW step.
 
 Per group X: M = max|X|, m = min of the nonzero |X|, R = M/m,
-k = floor(E*log2(Q^2/2)/log2 R)/E clamped to [1/E, k_max] (k < 1 compresses groups wider than the format) (k = 1 when log2 R <= 2^-19), center c = sqrt(M m),
+k = floor(E*log2(Q^2/2)/log2 R)/E clamped to [1/E, k_max] (k < 1 compresses groups wider than the format) (k = 1 when
+log2 R <= 2^-19), center c = sqrt(M m),
 scale s = (M/c)^k / Q, code = fp8(sign(x) |x/c|^k / s), x = sign(q) |q s|^(1/k) c. All-zero groups give zero codes.
 
 Everything is evaluated in the log domain with portable_math's log2/exp2: per group the metadata is
@@ -78,7 +79,8 @@ def _sqrt(x: torch.Tensor) -> torch.Tensor:
 
 
 def group_params(big: torch.Tensor, small: torch.Tensor, cfg: DREConfig) -> torch.Tensor:
-    """Metadata [3, n] (k, log2 c, log2(sQ)) of groups with max |x| `big` and min |x| >= 2^-126 `small` (inf if none)."""
+    """Metadata [3, n] (k, log2 c, log2(sQ)) of groups with max |x| `big` and min |x| >= 2^-126 `small` (inf if
+    none)."""
     one = torch.ones_like(big)
     nonzero = big >= pm.MIN_NORMAL
     log2_big = pm.log2(torch.where(nonzero, big, one))

@@ -27,7 +27,8 @@ def test_zero_stages_match_single_process(tmp_path):
 
 
 def test_checkpoints_nonfinite_and_resharding(tmp_path):
-    """Same-DP save/load bit-exact (ZeRO-2 bf16, ZeRO-3 fp32), also through universal checkpoints; NaN/Inf gradients (DeepSpeed's overflow check skips
+    """Same-DP save/load bit-exact (ZeRO-2 bf16, ZeRO-3 fp32), also through universal checkpoints; NaN/Inf gradients
+    (DeepSpeed's overflow check skips
     the step; without it the optimizer skips the affected groups); zero_to_fp32; DP 2 -> 1 (ZeRO-2 and ZeRO-3) and
     1 -> 2 (ZeRO-2) through coat_ds.to_universal; bad configs; the client-callable route."""
     ck = tmp_path / "ck"

@@ -1,7 +1,9 @@
 """The activation kernels on the GPU against their torch references (run on the same GPU), at a Llama-like shape:
-1x16 group quantization bit-exact; elsewhere FP8 codes may differ in at most 1e-3 of the elements (fp32 math in a different order, e.g. exp), values, statistics
+1x16 group quantization bit-exact; elsewhere FP8 codes may differ in at most 1e-3 of the elements (fp32 math in a
+different order, e.g. exp), values, statistics
 and partial amaxes within 1e-3 relative; scales reduced inside the producing launch equal a separate reduction; the
-COAT Llama layer (Hugging Face's, converted by coat_hf) on the kernels against the same layer on the references; a CUDA-graph capture of the layer replays the eager gradients."""
+COAT Llama layer (Hugging Face's, converted by coat_hf) on the kernels against the same layer on the references; a
+CUDA-graph capture of the layer replays the eager gradients."""
 import math
 
 import pytest

@@ -1,4 +1,5 @@
-"""Multi-rank DeepSpeed jobs run by tests/deepspeed/test_deepspeed.py (each function is one rank's body; asserts inside).
+"""Multi-rank DeepSpeed jobs run by tests/deepspeed/test_deepspeed.py (each function is one rank's body; asserts
+inside).
 
 Kept out of the test module so that spawned workers import only this file, ds_helpers and what they need.
 """
@@ -184,7 +185,8 @@ def compare_with_reference(engine, stage, dtype, numels, rank, world, snapshot, 
         weights = [deepspeed.utils.safe_get_full_fp32_param(p).float() for p in engine.module.parameters()]
         moments = gathered_moments(engine, numels, stage)
     for idx, (w, rw, m, rm) in enumerate(zip(weights, ref_weights, moments, ref_moments)):
-        # FP8 moments of groups re-cut at partition edges differ from the reference run's (k < 1 included): up to a fifth of one lr-sized step
+        # FP8 moments of groups re-cut at partition edges differ from the reference run's (k < 1 included): up to a
+        # fifth of one lr-sized step
         assert torch.allclose(w.view(-1), rw.view(-1), atol=3e-3 if dtype == "bf16" else 2e-3, rtol=0), \
             f"{label}: param {idx} max |dw| {(w.view(-1) - rw.view(-1)).abs().max()}"
         if stage:

@@ -1,6 +1,7 @@
 """One rank of a torchrun job: DeepSpeed ZeRO-2 bf16 with the optimizer offloaded to the CPU (CoatFP8AdamW's C++
 step): 4 steps straight, and 2 steps + checkpoint + a fresh engine loading it + 2 steps, give bit-identical weights,
-optimizer states and losses; DeepSpeed's safe_get/set_full_optimizer_state on the offloaded FP8 states.  Usage: torchrun --nproc_per_node 2 THIS CKPT_DIR
+optimizer states and losses; DeepSpeed's safe_get/set_full_optimizer_state on the offloaded FP8 states.  Usage: torchrun
+--nproc_per_node 2 THIS CKPT_DIR
 """
 import faulthandler
 import importlib

@@ -249,7 +249,7 @@ def shard_report(model, optimizer):
             "local_numel": sum(s["numel"] for s in shards)}
 
 
-# ---- steps -------------------------------------------------------------------------------------------------------------
+# ---- steps -----------------------------------------------------------------------------------------------------------
 def train_and_compare(distributed, float16_module=True, **coat_options):
     """STEPS steps with COAT (checked against the lockstep reference) and with Megatron's stock torch AdamW from
     the same start: relative error of each parameter's total update."""
@@ -269,7 +269,7 @@ def train_and_compare(distributed, float16_module=True, **coat_options):
     return model, optimizer, result
 
 
-# ---- checkpoints -------------------------------------------------------------------------------------------------------
+# ---- checkpoints -----------------------------------------------------------------------------------------------------
 def sharding_metadata(sharding_type):
     # fully_reshardable: the gloo variant (the default one gathers through NCCL with .cuda() tensors).
     return {"distrib_optim_sharding_type": sharding_type, "chained_optim_avoid_prefix": True,

@@ -424,7 +424,8 @@ class TinyLlama(torch.nn.Module):
                 x = x + blocks.fp8_swiglu_linear(y, self.fc2[i])
             else:
                 x = x + F.linear(F.rms_norm(ctx, (ctx.shape[-1],), self.n1[i].bfloat16()), self.mix[i].bfloat16())
-                g, u = F.linear(F.rms_norm(x, (x.shape[-1],), self.n2[i].bfloat16()), self.fc1[i].bfloat16()).chunk(2, -1)
+                normed = F.rms_norm(x, (x.shape[-1],), self.n2[i].bfloat16())
+                g, u = F.linear(normed, self.fc1[i].bfloat16()).chunk(2, -1)
                 x = x + F.linear(F.silu(g) * u, self.fc2[i].bfloat16())
         return self.head(x.float())
 

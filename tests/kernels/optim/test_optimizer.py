@@ -99,7 +99,11 @@ def test_state_dict_round_trip_is_exact_and_keeps_fp8():
     model = mlp().to(torch.bfloat16)  # bf16 params: torch's load would cast the fp32 metadata to bf16
     opt = CoatFP8AdamW(model.parameters(), lr=1e-2)
     x, y = data()
-    train_bf16 = lambda m, o: (o.zero_grad(), torch.nn.functional.mse_loss(m(x.bfloat16()), y.bfloat16()).backward(), o.step())
+    def train_bf16(m, o):
+        o.zero_grad()
+        torch.nn.functional.mse_loss(m(x.bfloat16()), y.bfloat16()).backward()
+        o.step()
+
     for _ in range(3):
         train_bf16(model, opt)
     saved = copy.deepcopy(opt.state_dict())
