@@ -285,6 +285,7 @@ def fused_adamw_step(param, grad, m_codes, m_meta, v_codes, v_meta, layout: Grou
     skipped = lib.coat_fused_adamw_step(
         _ptr(param), kind, _ptr(param if remainder is None else remainder), _ptr(grad), _GRAD_KINDS[grad.dtype],
         _ptr(m_codes), _ptr(m_meta), _ptr(v_codes), _ptr(v_meta), _ptr(starts), _ptr(lengths),
-        ctypes.c_int64(layout.num_groups), _ptr(scalars), _ptr(m_consts), _ptr(m_ints), _ptr(v_consts), _ptr(v_ints), _ptr(m_table), _ptr(v_table),
+        ctypes.c_int64(layout.num_groups), _ptr(scalars), _ptr(m_consts), _ptr(m_ints), _ptr(v_consts), _ptr(v_ints),
+        _ptr(m_table), _ptr(v_table),
         int(skip_nonfinite), torch.get_num_threads())
     return torch.tensor(skipped, dtype=torch.int64)
