@@ -23,6 +23,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import layer_common as lc  # noqa: E402
+from host_overhead import host_times  # noqa: E402
 
 from coat_kernels.act import ActivationConfig  # noqa: E402
 
@@ -36,25 +37,6 @@ def step(layer, x, dy, params):
     x.grad = None
     out = layer(x)
     out.backward(dy)
-
-
-def host_ms(layer, x, dy, params, reps=10):
-    """Median host ms of forward and of backward, each step queued behind a long GPU sleep."""
-    fwd, bwd = [], []
-    for _ in range(reps):
-        for p in params:
-            p.grad = None
-        x.grad = None
-        torch.cuda._sleep(BUSY_CYCLES)
-        t0 = time.perf_counter()
-        out = layer(x)
-        t1 = time.perf_counter()
-        out.backward(dy)
-        t2 = time.perf_counter()
-        torch.cuda.synchronize()
-        fwd.append(t1 - t0)
-        bwd.append(t2 - t1)
-    return sorted(fwd)[reps // 2] * 1e3, sorted(bwd)[reps // 2] * 1e3
 
 
 def gpu_and_wall_ms(layer, x, dy, params, reps=10):
@@ -170,7 +152,7 @@ def main():
         for _ in range(3):
             step(layer, x, dy, params)
         torch.cuda.synchronize()
-        fwd, bwd = host_ms(layer, x, dy, params)
+        fwd, bwd = host_times(layer, x, dy, params, reps=10)
         gpu, wall = gpu_and_wall_ms(layer, x, dy, params)
         n = launches(layer, x, dy, params)
         row = dict(variant=name, host_fwd_ms=fwd, host_bwd_ms=bwd, host_ms=fwd + bwd, gpu_ms=gpu, wall_ms=wall,

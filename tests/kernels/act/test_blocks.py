@@ -462,7 +462,7 @@ def test_small_model_trained_with_fp8_blocks_tracks_bf16():
 def test_fprop_fast_accumulation_reaches_only_the_forward_gemms(monkeypatch):
     """ActivationConfig(fprop_fast_accum=True) asks the FP8 GEMM for fast accumulation in forward GEMMs only (dgrad
     and wgrad keep fp32 promotion)."""
-    from coat_kernels.act import functional
+    from coat_kernels.act import block_parts, functional
 
     calls = []
     real = functional.fp8_gemm
@@ -471,7 +471,8 @@ def test_fprop_fast_accumulation_reaches_only_the_forward_gemms(monkeypatch):
         calls.append(fast_accum)
         return real(*a, fast_accum=fast_accum, **k)
 
-    monkeypatch.setattr(functional, "fp8_gemm", recording)
+    for module in (functional, block_parts):  # forward GEMMs, and the shared GEMM backward
+        monkeypatch.setattr(module, "fp8_gemm", recording)
     torch.manual_seed(0)
     x = torch.randn(32, 64).bfloat16().requires_grad_()
     w = (torch.randn(48, 64) / 8).bfloat16().requires_grad_()
