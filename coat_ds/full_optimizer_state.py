@@ -32,8 +32,6 @@ from coat_kernels.optim import state as coat_state
 from .optimizer import CoatFP8AdamW
 
 MOMENT_KEYS = coat_state.MOMENTS
-WRAPPED = ("safe_get_full_optimizer_state", "safe_set_full_optimizer_state", "safe_get_local_optimizer_state",
-           "safe_set_local_optimizer_state")
 
 
 def install() -> None:
