@@ -161,6 +161,11 @@ def print_timeline(layer, x, dy, params):
 
 
 def per_call_us(fn, n=1000):
+    """Host us per call of fn in a tight loop behind a GPU sleep, after three calls that may compile, pick cuBLAS
+    heuristics or allocate a workspace (and synchronise)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
     torch.cuda._sleep(BUSY_CYCLES)
     t = time.perf_counter()
     for _ in range(n):

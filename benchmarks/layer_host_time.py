@@ -23,7 +23,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import layer_common as lc  # noqa: E402
-from host_overhead import host_times  # noqa: E402
+from host_overhead import host_times, per_call_us  # noqa: E402
 
 from coat_kernels.act import ActivationConfig  # noqa: E402
 
@@ -169,19 +169,6 @@ def main():
     lc.save_json(dict(args=vars(args), rows=rows), "layer_host_time.json")
 
 
-def per_call_us(fn, n=300):
-    for _ in range(3):  # first calls: compilation, cuBLAS heuristics and workspace (may synchronise)
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(BUSY_CYCLES)
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return us
-
-
 def piece_costs():
     """Host us per call of the pieces a COAT layer step is made of, in a tight loop with the GPU busy."""
     from coat_kernels.act import tensor_quant as TQ
@@ -201,7 +188,7 @@ def piece_costs():
         "cast kernel launch": lambda: TQ._cast_kernel[grid](a, scale, q, None, 2048, 2048, 2048, **kw),
         "TQ.cast (allocation + launch)": lambda: TQ.cast(a, scale, "e4m3", True),
     }
-    out = {k: per_call_us(f) for k, f in costs.items()}
+    out = {k: per_call_us(f, n=300) for k, f in costs.items()}
     for k, v in out.items():
         lc.log(f"  host us per call: {k:45s} {v:7.1f}", name="host.log")
     return out

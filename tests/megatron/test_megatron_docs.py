@@ -20,12 +20,17 @@ def documented_script() -> str:
     return block.group(1)
 
 
-def test_own_training_loop_from_the_docs_trains(tmp_path):
+def run_documented_script(tmp_path):
+    """Run the doc's script as written: (the finished process, its per-step losses)."""
     script = tmp_path / "own_loop.py"
     script.write_text(documented_script())
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"})
+    return proc, [float(v) for v in re.findall(r"^step \d+: loss ([0-9.]+)$", proc.stdout, re.M)]
+
+
+def test_own_training_loop_from_the_docs_trains(tmp_path):
+    proc, losses = run_documented_script(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    losses = [float(v) for v in re.findall(r"^step \d+: loss ([0-9.]+)$", proc.stdout, re.M)]
     assert len(losses) == 10, proc.stdout[-3000:]
     assert losses[-1] < 0.6 * losses[0], losses
