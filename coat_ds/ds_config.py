@@ -20,9 +20,10 @@ import difflib
 from dataclasses import dataclass
 
 from coat_kernels.act import ActivationConfig
+from coat_kernels.options import check_bool, from_mapping
 
 SECTION = "coat"
-KEYS = ("fp8_activations", "cache_weights", "fprop_fast_accum", "chunked_loss", "backend", "cuda_graphs")
+WHERE = f'ds_config "{SECTION}": '
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,7 @@ class CoatSection:
 
     def __post_init__(self):
         for name in ("fp8_activations", "fprop_fast_accum", "chunked_loss", "cuda_graphs"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f'ds_config "coat": {name} must be true or false, got {getattr(self, name)!r}')
+            check_bool(name, getattr(self, name), WHERE, spelled="true or false")
         if self.cache_weights != "auto" and not isinstance(self.cache_weights, bool):
             raise TypeError(f'ds_config "coat": cache_weights must be "auto", true or false, got '
                             f"{self.cache_weights!r}")
@@ -78,7 +78,4 @@ def parse_section(ds_config: dict | None) -> CoatSection | None:
     section = ds_config[SECTION]
     if not isinstance(section, dict):
         raise TypeError(f'ds_config "coat" must be an object like {{"fp8_activations": true}}, got {section!r}')
-    unknown = sorted(set(section) - set(KEYS))
-    if unknown:
-        raise ValueError(f'ds_config "coat" has unknown key(s) {unknown}; valid: {", ".join(KEYS)}')
-    return CoatSection(**section)
+    return from_mapping(CoatSection, section, f'ds_config "{SECTION}" key(s)')
