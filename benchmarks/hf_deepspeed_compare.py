@@ -9,6 +9,11 @@ Arms (each is `launch/train_ds.py` with a ds_config and, for the peers, one flag
   coat_graphs   coat + "cuda_graphs": true (per-layer CUDA graphs) configs/ds_zero2_coat_graphs.json
   coat_remainders  coat + bf16 masters with 16-bit remainders     configs/ds_zero2_coat_remainders.json
   torchao       torchao float8 tensorwise + compile + AdamW       configs/ds_zero2_adamw_bf16.json + --torchao-float8
+  bf16_ckpt, coat_ckpt      bf16 / coat with Hugging Face gradient checkpointing (--grad-checkpointing)
+  bf16_offload  ZeRO-Offload: AdamW on the CPU (DeepSpeedCPUAdam)  configs/ds_zero2_adamw_offload.json
+  coat_offload  ZeRO-Offload: CoatFP8AdamW's C++ step on the CPU   configs/ds_zero2_coat_offload.json
+                (both offload arms keep BF16 activations: they compare the optimizers alone)
+The default --arms are the ones above the checkpointing and offload lines.
 
     python benchmarks/hf_deepspeed_compare.py [--model tinyllama-1b] [--micro-batch 8 | --micro-batches 1,2,4,8]
         [--steps 30] [--curve-steps 200] [--curve-arms bf16,coat] [--arms ...] [--max-batch] [--out DIR]
@@ -42,6 +47,13 @@ ARMS = {
     "coat_remainders": ("configs/ds_zero2_coat_remainders.json", []),
     "torchao": ("configs/ds_zero2_adamw_bf16.json", ["--torchao-float8"]),
 }
+DEFAULT_ARMS = list(ARMS)
+ARMS.update({
+    "bf16_ckpt": ("configs/ds_zero2_adamw_bf16.json", ["--grad-checkpointing"]),
+    "coat_ckpt": ("configs/ds_zero2_coat_full.json", ["--grad-checkpointing"]),
+    "bf16_offload": ("configs/ds_zero2_adamw_offload.json", []),
+    "coat_offload": ("configs/ds_zero2_coat_offload.json", []),
+})
 
 
 def run_arm(arm, args, micro_batch, steps, tag, port):
@@ -153,7 +165,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=30, help="steps of the arms without a loss curve")
     p.add_argument("--curve-steps", type=int, default=200)
     p.add_argument("--curve-arms", default="bf16,coat")
-    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS))
     p.add_argument("--max-batch", action="store_true", help="also run each arm at its largest micro-batch")
     p.add_argument("--max-batch-from", default=None,
                    help="only the largest-batch runs, predicted from the rows of an earlier results.json")

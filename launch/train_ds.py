@@ -79,6 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--csv", default=None, help="write step,loss,step_s,tokens_per_s here (rank 0)")
     p.add_argument("--label", default=None, help="name of the run in the summary")
     p.add_argument("--compile-layers", action="store_true", help="torch.compile each decoder layer (in place)")
+    p.add_argument("--grad-checkpointing", action="store_true",
+                   help="Hugging Face gradient checkpointing (each decoder layer recomputed in backward)")
     p.add_argument("--torchao-float8", action="store_true",
                    help="torchao convert_to_float8_training (tensorwise; lm_head excluded) before DeepSpeed")
     p.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
@@ -201,6 +203,7 @@ def main(argv=None):
         median_s = statistics.median(steady)
         summary = dict(label=label, model=args.model, params=n_params, ranks=world, global_batch=args.global_batch,
                        seq_len=args.seq_len, steps=args.steps, optimizer=states[0]["optimizer"],
+                       grad_checkpointing=args.grad_checkpointing,
                        first_loss=rows[0][1], final_loss=rows[-1][1],
                        mean_loss_last10=statistics.fmean(r[1] for r in rows[-10:]),
                        median_step_ms=median_s * 1e3, tokens_per_s=tokens_per_step / median_s,
@@ -225,7 +228,9 @@ def main(argv=None):
 
 
 def apply_peer_options(model, args):
-    """The peers a Hugging Face user would reach for, applied before DeepSpeed wraps the model."""
+    """The options a Hugging Face user would reach for, applied before DeepSpeed wraps the model."""
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.torchao_float8:
         from torchao.float8 import convert_to_float8_training
 
