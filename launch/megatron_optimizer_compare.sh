@@ -15,7 +15,10 @@
 # betas (0.9, 0.95), weight decay 0.1, clip 1.0, on the stdlib corpus (python -m launch.megatron_data), validation
 # every 100 iterations on 32 batches. Runs one arm at a time (the optimizer's own time is measured: Megatron's
 # `optimizer` timer, --timing-log-level 1). Needs TransformerEngine.
-# Usage: [ARMS="..."] [ITERS=2000] bash launch/megatron_optimizer_compare.sh OUT_DIR
+# PARALLEL=N runs N arms at once, spread over the visible GPUs (the model is small: one arm leaves a GPU mostly idle).
+# Losses and memory are those of the arm alone; the timings are not (arms share GPUs and host cores), so the script
+# writes OUT_DIR/concurrent.txt and the report says so: time the optimizers in a separate run with PARALLEL=1.
+# Usage: [ARMS="..."] [ITERS=2000] [PARALLEL=1] bash launch/megatron_optimizer_compare.sh OUT_DIR
 # Report: python -m launch.megatron_optimizer_report OUT_DIR   (also run at the end)
 set -euo pipefail
 OUT=${1:?usage: megatron_optimizer_compare.sh OUT_DIR}
@@ -53,13 +56,35 @@ arm_args() {
   esac
 }
 
-for arm in $ARMS; do
+PARALLEL=${PARALLEL:-1}
+NGPUS=$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))")
+if (( PARALLEL > 1 )); then
+  echo "$PARALLEL arms at a time on $NGPUS GPU(s): timings are not those of an arm alone" > "$OUT/concurrent.txt"
+else
+  rm -f "$OUT/concurrent.txt"
+fi
+
+run_arm() {  # run_arm ARM SLOT: one training run on GPU SLOT % NGPUS
+  local arm=$1 slot=$2 args rc=0
   args=$(arm_args "$arm")
-  echo "== $arm: torchrun --nproc_per_node 1 -m coat_megatron.pretrain_gpt ... $args"
-  rc=0
+  echo "== $arm: CUDA_VISIBLE_DEVICES=$((slot % NGPUS)) torchrun --nproc_per_node 1" \
+       "-m coat_megatron.pretrain_gpt ... $args"
   # shellcheck disable=SC2086
-  python3 -m torch.distributed.run --nproc_per_node 1 --master_port 29531 -m coat_megatron.pretrain_gpt \
-    "${COMMON[@]}" $args > "$OUT/$arm.log" 2>&1 || rc=$?
+  CUDA_VISIBLE_DEVICES=$((slot % NGPUS)) python3 -m torch.distributed.run --nproc_per_node 1 \
+    --master_port $((29531 + slot)) -m coat_megatron.pretrain_gpt "${COMMON[@]}" $args > "$OUT/$arm.log" 2>&1 || rc=$?
   echo "== $arm: exit $rc"
+}
+
+slot=0
+for arm in $ARMS; do
+  arm_args "$arm" > /dev/null
+  if (( PARALLEL > 1 )); then
+    run_arm "$arm" "$slot" &
+    slot=$((slot + 1))
+    if (( slot % PARALLEL == 0 )); then wait; slot=0; fi
+  else
+    run_arm "$arm" 0
+  fi
 done
+wait
 python3 -m launch.megatron_optimizer_report "$OUT" || true

@@ -65,6 +65,10 @@ def report(out: str, skip: int) -> dict:
                  f"{r['ms_per_iteration']:.1f}" if "ms_per_iteration" in r else "",
                  f"{loss:.4f}" if loss else ("did not finish" if not r["finished"] else ""), gap]
         lines.append(f"| {r['arm']} | " + " | ".join(cells) + " |")
+    concurrent = os.path.join(out, "concurrent.txt")
+    if os.path.exists(concurrent):
+        lines += ["", "Timings of concurrent runs (" + open(concurrent).read().strip() + "): compare the losses and "
+                  "memory here, the optimizer times in a run of one arm at a time."]
     if len(seeds) > 1 and base:
         lines += ["", f"BF16 seed spread (max - min over {len(seeds)} seeds): "
                       f"{(max(seeds) - min(seeds)) / base * 100:.3f}% of bf16_s0"]
