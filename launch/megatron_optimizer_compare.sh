@@ -13,7 +13,8 @@
 # Model: the loss-parity Llama of 152M parameters (hidden 1024, 12 layers, 16 heads / 4 KV heads, FFN 2816, RMSNorm,
 # RoPE, untied LM head), seq 512, micro-batch = global batch 8, lr 6e-4 (100 warm-up iterations, cosine to 6e-5),
 # betas (0.9, 0.95), weight decay 0.1, clip 1.0, on the stdlib corpus (python -m launch.megatron_data), validation
-# every 100 iterations on 32 batches. Runs one arm at a time (the optimizer's own time is measured: Megatron's
+# every 100 iterations on 32 batches; Megatron's fusions that need apex off in every arm. Runs one arm at a time
+# (the optimizer's own time is measured: Megatron's
 # `optimizer` timer, --timing-log-level 1). Needs TransformerEngine.
 # PARALLEL=N runs N arms at once, spread over the visible GPUs (the model is small: one arm leaves a GPU mostly idle).
 # Losses and memory are those of the arm alone; the timings are not (arms share GPUs and host cores), so the script
@@ -38,6 +39,8 @@ COMMON=(--num-layers 12 --hidden-size 1024 --num-attention-heads 16 --group-quer
   --bf16 --swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope
   --untie-embeddings-and-output-weights --attention-dropout 0 --hidden-dropout 0
   --transformer-impl transformer_engine --use-distributed-optimizer
+  --no-gradient-accumulation-fusion --no-rope-fusion --no-masked-softmax-fusion --no-bias-swiglu-fusion
+  --no-bias-dropout-fusion --no-persist-layer-norm
   --eval-interval 100 --eval-iters 32 --log-interval 10 --log-throughput
   --timing-log-level 1 --timing-log-option max
   "${DATA_ARGS[@]}")

@@ -6,8 +6,10 @@ between iterations, the optimizer's own time per iteration, final validation los
 The optimizer's time: the median over log intervals ending after iteration --skip of Megatron's `optimizer` timer
 (`optimizer.step()` as megatron.training times it: gradient norm and clipping, the inner step, parameter copies;
 --timing-log-level 1, the maximum across ranks, per iteration) and, where logged, `optimizer-inner-step` (the inner
-optimizer alone). Validation loss: the last `validation loss at iteration N` line; BF16's spread: max - min over the
-`bf16_s*` arms, in % of bf16_s0's.
+optimizer alone). Validation loss: the last evaluation of the training loop (`validation loss at iteration N | ...`, --eval-interval);
+the evaluations megatron.training runs after training (`... on validation set`, `... on test set`) read other
+batches, whose choice depends on the seed, so they are left out. BF16's spread: max - min over the `bf16_s*` arms,
+in % of bf16_s0's.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import statistics
 
 from launch.megatron_report import parse_log, speed
 
-VALIDATION = re.compile(r"validation loss at iteration (\d+)[^|]*\|\s*lm loss value:\s*([\d.E+-]+)")
+VALIDATION = re.compile(r"validation loss at iteration (\d+) \|\s*lm loss value:\s*([\d.E+-]+)")
 TIMER = re.compile(r"^\s+(optimizer|optimizer-inner-step) \.+: \(?([\d.]+)")
 ITERATION_NUMBER = re.compile(r"iteration\s+(\d+)/")
 BASELINE = "bf16_s0"

@@ -15,8 +15,11 @@ def write_log(path, validation, optimizer_ms, state=("MegatronCoatFP8AdamW", 4.1
                   f"    {'forward-backward '.ljust(48, '.')}: 40.00",
                   f"    {'optimizer '.ljust(48, '.')}: {optimizer_ms + it / 100:.2f}"]
         if it % 20 == 0:
-            lines.append(f" validation loss at iteration {it} on validation set | lm loss value: "
+            lines.append(f" validation loss at iteration {it} | lm loss value: "
                          f"{validation + 1 - it / iters:.6E} | lm loss PPL: 1.0E+01 | ")
+    # after training, megatron.training evaluates again on other batches of each split: not the arm's result
+    lines += [f" validation loss at iteration {iters} on validation set | lm loss value: 9.0E+00 | lm loss PPL: 1 | ",
+              f" validation loss at iteration {iters} on test set | lm loss value: 8.0E+00 | lm loss PPL: 1 | "]
     lines += [f"[coat_megatron] rank 0 optimizer state: {state[0]} 100.0 MiB for 1.00M elements "
               f"({state[1]:.3f} B/element)", "[coat_megatron] rank 0 peak memory allocated: 3.50 GiB",
               "[coat_megatron] rank 0 memory allocated after training: 1.25 GiB of 80.00 GiB"]
