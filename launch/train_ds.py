@@ -14,6 +14,29 @@ The optimizer, ZeRO stage and precision come from the DeepSpeed config; this scr
 Data: sequences from a fixed random bigram language (each token has 8 possible successors with Zipf weights, about
 1.7 nats of entropy), a deterministic function of (seed, global sample index): with the same --global-batch, runs
 on 1 and on 2 GPUs see identical global batches, so their loss curves are comparable step by step.
+
+Checkpoints (DeepSpeed's own `save_checkpoint` / `load_checkpoint`):
+    --save-dir DIR [--save-at STEP]   after step STEP (default: the last, --steps) save DIR/stepSTEP; the client state
+                                      holds DeepSpeed's universal-checkpoint info (so `python -m coat_ds.to_universal`
+                                      can convert it) and this script's position in the data (step, samples, seed,
+                                      sequence length, model)
+    --resume DIR[:TAG]                load DIR/TAG (without TAG: the tag DIR/latest names, DIR/latest_universal with
+                                      --universal) and go on with the step after the saved one, up to --steps; the
+                                      data continue at the saved sample index, so the resumed run sees the batches the
+                                      uninterrupted one saw, and the printout and --csv carry the true step numbers
+    --universal                       load a universal checkpoint (`"checkpoint": {"load_universal": true}`): the
+                                      way to resume on another number of ranks; --global-batch is split over them,
+                                      so keep it as saved to see the same batches
+A rigid checkpoint loads only on the number of ranks it was saved on; convert it first:
+    python -m coat_ds.to_universal --input_folder DIR/step100 --output_folder DIR/step100_universal
+    torchrun --nproc_per_node 1 launch/train_ds.py ... --resume DIR:step100_universal --universal
+A missing directory or tag, a rigid checkpoint of another rank count, a universal folder without --universal (or the
+reverse), another --seed or --seq-len than saved, or --save-at outside the steps this run trains is an error before
+training. `--deterministic` makes GPU runs bit-reproducible (flash attention's backward accumulates with atomics
+otherwise): a run resumed on as many ranks repeats the uninterrupted one's losses bit for bit (--csv writes them
+exactly). On another number of ranks the losses differ a little, as a run on that many ranks from the start would:
+FP8 activation scales are per micro-batch, gradients are summed in another order, and the optimizer's FP8 groups
+are cut at other partition edges.
 """
 from __future__ import annotations
 
@@ -38,8 +61,14 @@ MODELS = {
     # Llama-2-7B shape (32 layers, hidden 4096, 32 heads, MHA, SwiGLU 11008)
     "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=32),
+    # small enough to save and convert checkpoints often on a GPU; widths FP8 activations can run
+    "small": dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2),
+    # tiny with an MLP width FP8 activations can run (multiples of 16): "coat": {"fp8_activations": true} on CPU
+    "tiny-fp8": dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2),
 }
 
 
@@ -76,15 +105,40 @@ def parse_args(argv=None):
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None,
                    help="ZeRO stage (overrides the config's zero_optimization.stage)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--csv", default=None, help="write step,loss,step_s,tokens_per_s here (rank 0)")
+    p.add_argument("--csv", default=None, help="write step,loss,step_s,tokens_per_s here (rank 0; loss exact)")
     p.add_argument("--label", default=None, help="name of the run in the summary")
     p.add_argument("--compile-layers", action="store_true", help="torch.compile each decoder layer (in place)")
     p.add_argument("--grad-checkpointing", action="store_true",
                    help="Hugging Face gradient checkpointing (each decoder layer recomputed in backward)")
     p.add_argument("--torchao-float8", action="store_true",
                    help="torchao convert_to_float8_training (tensorwise; lm_head excluded) before DeepSpeed")
+    p.add_argument("--save-dir", default=None, help="save a DeepSpeed checkpoint here (tag stepSTEP)")
+    p.add_argument("--save-at", type=int, default=None,
+                   help="the step after which to save (1-based; default: the last step); needs --save-dir")
+    p.add_argument("--resume", default=None, metavar="DIR[:TAG]",
+                   help="continue from a DeepSpeed checkpoint (TAG default: the one DIR/latest names)")
+    p.add_argument("--universal", action="store_true",
+                   help="--resume loads a universal checkpoint (coat_ds.to_universal): any number of ranks")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms: bit-reproducible GPU runs (slower attention backward)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_checkpoint_args(p, args)
+    return args
+
+
+def check_checkpoint_args(parser, args):
+    """Checkpoint flags that cannot work together fail here, before anything is built."""
+    if args.save_at is not None and args.save_dir is None:
+        parser.error("--save-at needs --save-dir (where to save)")
+    if args.save_dir is not None:
+        if args.save_at is None:
+            args.save_at = args.steps
+        if not 1 <= args.save_at <= args.steps:
+            parser.error(f"--save-at {args.save_at} is not one of the steps 1..{args.steps} this run trains "
+                         "(--steps counts from the start of training, also when resuming)")
+    if args.universal and args.resume is None:
+        parser.error("--universal says how to load --resume DIR[:TAG]: give --resume")
 
 
 def load_config(args, world: int) -> dict:
@@ -96,11 +150,49 @@ def load_config(args, world: int) -> dict:
                   gradient_accumulation_steps=1)
     if args.zero_stage is not None:
         config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
+    if args.universal:
+        config.setdefault("checkpoint", {})["load_universal"] = True
     if args.lr is not None:
         config["optimizer"]["params"]["lr"] = args.lr
         if "scheduler" in config and "warmup_max_lr" in config["scheduler"].get("params", {}):
             config["scheduler"]["params"]["warmup_max_lr"] = args.lr
     return config
+
+
+def checkpoint_to_resume(spec: str, universal: bool, world: int) -> tuple[str, str]:
+    """(DIR, TAG) of `--resume DIR[:TAG]`, checked on disk: the tag folder exists and is of the kind --universal
+    says; a rigid checkpoint was saved by `world` ranks. Raises SystemExit naming what is wrong and what to do."""
+    directory, tag = spec, None
+    head, sep, tail = spec.rpartition(":")
+    if sep and head and tail and os.sep not in tail:
+        directory, tag = head, tail
+    if not os.path.isdir(directory):
+        raise SystemExit(f"--resume {spec}: there is no checkpoint directory {directory}")
+    tags = sorted(d for d in os.listdir(directory) if os.path.isdir(os.path.join(directory, d)))
+    if tag is None:
+        latest = os.path.join(directory, "latest_universal" if universal else "latest")
+        if not os.path.isfile(latest):
+            raise SystemExit(f"--resume {spec}: {latest} does not exist, so no tag is the latest; name one "
+                             f"(--resume {directory}:TAG) among {tags}")
+        with open(latest) as f:
+            tag = f.read().strip()
+    folder = os.path.join(directory, tag)
+    if not os.path.isdir(folder):
+        raise SystemExit(f"--resume {spec}: there is no checkpoint {folder}; tags in {directory}: {tags}")
+    is_universal = os.path.isdir(os.path.join(folder, "zero"))
+    convert = (f"python -m coat_ds.to_universal --input_folder {folder} --output_folder {folder}_universal, then "
+               f"--resume {directory}:{tag}_universal --universal")
+    if universal and not is_universal:
+        raise SystemExit(f"--resume {spec} --universal: {folder} is not a universal checkpoint (no zero/ folder); "
+                         f"convert it: {convert}, or drop --universal to load it as saved")
+    if not universal:
+        if is_universal:
+            raise SystemExit(f"--resume {spec}: {folder} is a universal checkpoint; add --universal")
+        shards = [f for f in os.listdir(folder) if "zero_pp_rank_" in f and f.endswith("_optim_states.pt")]
+        if shards and len(shards) != world:
+            raise SystemExit(f"--resume {spec}: saved on {len(shards)} data-parallel ranks, this run has {world}; a "
+                             f"DeepSpeed checkpoint loads as saved only on as many ranks: convert it: {convert}")
+    return directory, tag
 
 
 def build_model(name: str, seq_len: int, device: torch.device, seed: int):
@@ -127,6 +219,8 @@ def main(argv=None):
     import coat_ds  # noqa: F401  (registers "CoatFP8AdamW"; the installed .pth hook would do it too)
     from coat_ds.deepspeed_plugin import optimizer_state_report
 
+    if args.deterministic:
+        make_deterministic()
     if torch.cuda.is_available():
         torch.cuda.set_device(args.local_rank)
         device = torch.device("cuda", args.local_rank)
@@ -141,11 +235,16 @@ def main(argv=None):
         os.environ.setdefault(key, value)  # plain `python launch/train_ds.py`: one rank, no launcher
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
+    resume = checkpoint_to_resume(args.resume, args.universal, world) if args.resume else None
     config = load_config(args, world)
     model = build_model(args.model, args.seq_len, device, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     apply_peer_options(model, args)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    position = dict(step=0, samples=0, seed=args.seed, seq_len=args.seq_len, model=args.model)
+    if resume:
+        position = load_checkpoint(engine, *resume, args, rank)
+    first_step = position["step"]
     data = BigramData(model.config.vocab_size, args.seq_len, args.seed)
     micro = args.global_batch // world
     tokens_per_step = args.global_batch * args.seq_len
@@ -160,10 +259,11 @@ def main(argv=None):
     rows, step_times, optimizer_times, host_times = [], [], [], []
     csv = open_csv(args.csv) if rank == 0 and args.csv else None
     memory = {}
-    for step in range(args.steps):
-        tokens = data.sequences(step * args.global_batch + rank * micro, micro).to(device)
+    for step in range(first_step, args.steps):
+        first_sample = position["samples"] + (step - first_step) * args.global_batch
+        tokens = data.sequences(first_sample + rank * micro, micro).to(device)
         sync(device)
-        if step == 1 and device.type == "cuda":  # model states are all allocated after the first step
+        if step == first_step + 1 and device.type == "cuda":  # model states are all allocated after the first step
             memory["before_forward"] = torch.cuda.memory_allocated(device)
             memory["first_step_peak"] = torch.cuda.max_memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -183,13 +283,16 @@ def main(argv=None):
         step_times.append(step_s)
         rows.append((step + 1, mean_loss, step_s, tokens_per_step / step_s))
         if csv:
-            csv.write("%d,%.6f,%.6f,%.1f\n" % rows[-1])
+            csv.write("%d,%r,%.6f,%.1f\n" % rows[-1])  # the loss as Python prints it: the exact value
             csv.flush()
-        if step == 0:
+        if step == first_step:
             report_state(engine, optimizer_state_report, rank, world, dist)
-        if rank == 0 and (step < 5 or (step + 1) % 10 == 0 or step + 1 == args.steps):
+        if rank == 0 and (step < first_step + 5 or (step + 1) % 10 == 0 or step + 1 == args.steps):
             print(f"[train_ds] step {step + 1:5d}  loss {mean_loss:.4f}  step {step_s * 1e3:8.1f} ms  "
                   f"{tokens_per_step / step_s:9.0f} tokens/s", flush=True)
+        if args.save_dir and step + 1 == args.save_at:
+            save_checkpoint(engine, args, dict(position, step=step + 1, samples=first_sample + args.global_batch),
+                            rank)
 
     if "before_forward" in memory:
         memory["step_peak"] = torch.cuda.max_memory_allocated(device)
@@ -202,8 +305,8 @@ def main(argv=None):
         steady = step_times[min(10, len(step_times) // 2):]
         median_s = statistics.median(steady)
         summary = dict(label=label, model=args.model, params=n_params, ranks=world, global_batch=args.global_batch,
-                       seq_len=args.seq_len, steps=args.steps, optimizer=states[0]["optimizer"],
-                       grad_checkpointing=args.grad_checkpointing,
+                       seq_len=args.seq_len, steps=args.steps, first_step=first_step + 1,
+                       optimizer=states[0]["optimizer"], grad_checkpointing=args.grad_checkpointing,
                        first_loss=rows[0][1], final_loss=rows[-1][1],
                        mean_loss_last10=statistics.fmean(r[1] for r in rows[-10:]),
                        median_step_ms=median_s * 1e3, tokens_per_s=tokens_per_step / median_s,
@@ -225,6 +328,53 @@ def main(argv=None):
         csv.close()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def make_deterministic():
+    """Deterministic torch kernels (flash attention's backward then runs without atomics; cuBLAS needs a fixed
+    workspace for that, set before its first handle). Memory torch allocates stays uninitialized, as it is
+    without this mode: buffers DeepSpeed pads are not filled with NaN."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+
+
+def save_checkpoint(engine, args, position: dict, rank: int):
+    """DIR/stepSTEP by DeepSpeed, with the universal-checkpoint info (for coat_ds.to_universal) and where the data
+    stand (for --resume)."""
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+    tag = f"step{position['step']}"
+    start = time.perf_counter()
+    engine.save_checkpoint(args.save_dir, tag=tag, client_state={UNIVERSAL_CHECKPOINT_INFO: {}, "train_ds": position})
+    if rank == 0:
+        print(f"[train_ds] saved step {position['step']} to {os.path.join(args.save_dir, tag)} in "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
+
+
+def load_checkpoint(engine, directory: str, tag: str, args, rank: int) -> dict:
+    """Load DIR/TAG into the engine (weights, optimizer states, LR scheduler, step counters) and return where the
+    data stand: the saved step and sample count. The run must draw the same data (seed, sequence length) and have
+    steps left to train; otherwise SystemExit says what differs. (Another --model fails in DeepSpeed's load.)"""
+    start = time.perf_counter()
+    load_path, client_state = engine.load_checkpoint(directory, tag=tag)
+    if load_path is None:
+        raise SystemExit(f"--resume: DeepSpeed loaded nothing from {os.path.join(directory, tag)}")
+    saved = client_state.get("train_ds") or dict(step=engine.global_steps, samples=engine.global_samples)
+    for key in ("seed", "seq_len"):
+        if key in saved and saved[key] != getattr(args, key):
+            flag = "--" + key.replace("_", "-")
+            raise SystemExit(f"--resume {directory}:{tag} was saved with {flag} {saved[key]}, this run has "
+                             f"{getattr(args, key)}: pass {flag} {saved[key]} to continue the same training")
+    if saved["step"] >= args.steps:
+        raise SystemExit(f"--resume {directory}:{tag} is at step {saved['step']}: nothing to train up to --steps "
+                         f"{args.steps} (--steps counts from the start of training)")
+    if args.save_dir and args.save_at <= saved["step"]:
+        raise SystemExit(f"--save-at {args.save_at} is not after step {saved['step']}, where --resume starts")
+    if rank == 0:
+        print(f"[train_ds] resumed from {load_path} (step {saved['step']}, {saved['samples']} samples) in "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
+    return dict(saved, seed=args.seed, seq_len=args.seq_len, model=args.model)
 
 
 def apply_peer_options(model, args):

@@ -1,0 +1,101 @@
+"""launch/train_ds.py's checkpoints (--save-dir/--save-at, --resume, --universal) on CPU: gloo ranks under torchrun,
+CoatFP8AdamW + FP8 activations (configs/ds_zero2_coat_full.json), ZeRO-2 and ZeRO-3, a 6-step run saved after
+step 3 and resumed on 2 and on 1 rank (tests/jobs/train_ds_runs.py runs the flow; the GPU test runs it too)."""
+import importlib.util
+
+import pytest
+
+import train_ds_runs as runs
+
+# The same training on 1 and on 2 ranks differs: FP8 activations take per-tensor scales over each rank's micro-batch
+# (2 sequences or 4), the gradient reduction adds in another order, and the optimizer's FP8 groups are cut at other
+# partition edges. A change of rank count at step 3 brings these differences into steps 4-6 only, so the resumed
+# curve stays within twice what the rank count makes over the whole run (`noise`, measured in the same flow), and
+# at least FLOOR (about 1e-4 of the loss, which starts near ln(512) = 6.2 here). The noise itself is bounded: the
+# rank count must not change training.
+NOISE_BOUND = 1e-2
+FLOOR = 5e-4
+
+
+def training(stage: int) -> runs.Training:
+    """A peak learning rate above the config's, so that steps 4-6 move the loss by more than the tolerance."""
+    flags = ["--ds-config", str(runs.CONFIGS / "ds_zero2_coat_full.json"), "--zero-stage", str(stage),
+             "--model", "tiny-fp8", "--seq-len", "32", "--global-batch", "4", "--lr", "3e-3", "--deterministic"]
+    return runs.Training(flags=flags, env=runs.environment(cpu=True), timeout_s=300)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resume_across_data_parallel_sizes(tmp_path, stage):
+    """2 -> 2 (rigid and universal) bit-exact after the save; 2 -> 1 through coat_ds.to_universal within twice the
+    1-rank vs 2-rank difference; a rigid checkpoint of 2 ranks on 1 rank stops before training, saying to convert."""
+    setup = training(stage)
+    curves = runs.resume_across_sizes(setup, tmp_path, one_to_two=False)
+    diffs = runs.report(curves, stage, setup.steps)
+    runs.check_size_changes(curves, diffs, NOISE_BOUND, FLOOR)
+    if stage == 2:
+        output = setup.fails(1, "--resume", f"{tmp_path / 'two_ranks'}:step{runs.SAVE_AT}")
+        assert "saved on 2 data-parallel ranks, this run has 1" in output and "coat_ds.to_universal" in output, \
+            output[-3000:]
+
+
+@pytest.fixture(scope="module")
+def train_ds():
+    spec = importlib.util.spec_from_file_location("train_ds", runs.TRAIN_DS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "6", "--save-dir", "ck", "--save-at", "7"], "--save-at 7 is not one of the steps 1..6"),
+    (["--steps", "6", "--save-dir", "ck", "--save-at", "0"], "--save-at 0 is not one of the steps 1..6"),
+    (["--save-at", "3"], "--save-at needs --save-dir"),
+    (["--universal"], "--universal says how to load --resume"),
+])
+def test_checkpoint_flags_that_cannot_work_fail_at_parsing(train_ds, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        train_ds.parse_args(["--ds-config", "c.json", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_save_dir_alone_saves_after_the_last_step(train_ds):
+    assert train_ds.parse_args(["--ds-config", "c.json", "--steps", "6", "--save-dir", "ck"]).save_at == 6
+
+
+def make_checkpoint(directory, tag, ranks=2, universal=False, latest=True):
+    """The files DeepSpeed writes, by name (what --resume checks before anything loads)."""
+    folder = directory / tag
+    folder.mkdir(parents=True)
+    if universal:
+        (folder / "zero").mkdir()
+    else:
+        for rank in range(ranks):
+            (folder / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").touch()
+    (folder / "mp_rank_00_model_states.pt").touch()
+    if latest:
+        (directory / ("latest_universal" if universal else "latest")).write_text(tag)
+
+
+def test_resume_finds_the_checkpoint_or_says_what_is_wrong(train_ds, tmp_path):
+    find = train_ds.checkpoint_to_resume
+    make_checkpoint(tmp_path, "step3")
+    make_checkpoint(tmp_path, "step3_universal", universal=True)
+    assert find(str(tmp_path), False, 2) == (str(tmp_path), "step3")  # DIR/latest names the tag
+    assert find(f"{tmp_path}:step3", False, 2) == (str(tmp_path), "step3")
+    assert find(str(tmp_path), True, 1) == (str(tmp_path), "step3_universal")  # DIR/latest_universal
+    assert find(f"{tmp_path}:step3_universal", True, 3) == (str(tmp_path), "step3_universal")
+
+    def fails(spec, universal, world, *needles):
+        with pytest.raises(SystemExit) as error:
+            find(spec, universal, world)
+        assert all(n in str(error.value) for n in needles), str(error.value)
+
+    fails(str(tmp_path / "missing"), False, 2, "no checkpoint directory", "missing")
+    fails(f"{tmp_path}:step4", False, 2, "no checkpoint", "step4", "['step3', 'step3_universal']")
+    fails(f"{tmp_path}:step3", False, 1, "saved on 2 data-parallel ranks, this run has 1", "coat_ds.to_universal",
+          "step3_universal --universal")
+    fails(f"{tmp_path}:step3", True, 1, "not a universal checkpoint", "coat_ds.to_universal", "drop --universal")
+    fails(f"{tmp_path}:step3_universal", False, 2, "is a universal checkpoint; add --universal")
+    other = tmp_path / "other"
+    make_checkpoint(other, "step5", latest=False)
+    fails(str(other), False, 2, "latest does not exist", f"--resume {other}:TAG", "['step5']")
