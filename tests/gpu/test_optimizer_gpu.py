@@ -113,3 +113,23 @@ def test_exact_export_on_cuda_round_trips_through_the_kernel(fmt):
         assert failed == 0
         assert_same_bits(values, values_cpu.cuda(), "exported values")
         assert quantized_equal(*tri.quantize(values, layout, cfg), codes, meta)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_exported_moments_quantize_back_to_their_codes_with_the_kernel(fmt):
+    """A universal (or torch-format) checkpoint holds fp32 moments exported so that quantizing them again gives the
+    saved codes and metadata (exact_export, searched against the reference's log2); a load on a GPU quantizes them
+    with the Triton kernel, which must give those codes back too. The exported extremes sit at the edge of log2's
+    fp32 rounding, where two log2 implementations can part although they agree on random values."""
+    from coat_kernels.optim import exact_export
+
+    layout = LAYOUTS["ragged segments"]
+    cfg = ref.DREConfig(fmt, expand=True)
+    for x in moments(N, 1):
+        codes, meta = tri.quantize(x, layout, cfg)
+        exported, _ = exact_export.export(codes, meta, layout, cfg)
+        for name, quantize in (("reference", ref.quantize), ("kernel", tri.quantize)):
+            codes2, meta2 = quantize(exported, layout, cfg)
+            assert_same_bits(meta2, meta, f"{name}: metadata")
+            assert_same_bits(ref.dequantize(codes2, meta2, layout), ref.dequantize(codes, meta, layout),
+                             f"{name}: decoded codes")
