@@ -68,14 +68,19 @@ def _anchor_groups(x, raw, valid, meta, cfg):
     code_max = mag.amax(dim=1)
     nonzero_groups = code_max > 0
     if cfg.expand:
+        inf = torch.full_like(mag, 1 << 20)
+        code_min = torch.where(valid & (mag > 0), mag, inf).amin(dim=1)
+        zero_code = valid & (mag == 0)
+        has_zero = zero_code.any(dim=1)
         # one element at the largest code (a 1-element group, or one nonzero element): if m' has that code too,
         # that element carries both M' and m'
         single_max = (valid & (mag == code_max[:, None])).sum(dim=1) == 1
-        big, small, small_code, found = _solve_extremes(meta, code_max, single_max, cfg, NARROW, NARROW)
+        codes = (code_max, code_min, has_zero, single_max)
+        big, small, small_code, found = _solve_extremes(meta, *codes, cfg, NARROW, NARROW)
         for widths in ((WIDE, NEIGHBOURS), (NEIGHBOURS, WIDE)):  # log2 M (or log2 m) near 0: finer than log2 c
             retry = (~found).nonzero()[:, 0]
             if len(retry):
-                found_now = _solve_extremes(meta[:, retry], code_max[retry], single_max[retry], cfg, *widths)
+                found_now = _solve_extremes(meta[:, retry], *(c[retry] for c in codes), cfg, *widths)
                 for out, new in zip((big, small, small_code, found), found_now):
                     out[retry] = new
     else:  # k = 1, log2 c = 0: log2(sQ) is log2 M itself
@@ -85,10 +90,6 @@ def _anchor_groups(x, raw, valid, meta, cfg):
     out = torch.where(valid & (mag == code_max[:, None]), _signed(big, negative), x)
     ok = found
     if cfg.expand:
-        inf = torch.full_like(mag, 1 << 20)
-        code_min = torch.where(valid & (mag > 0), mag, inf).amin(dim=1)
-        zero_code = valid & (mag == 0)
-        ok &= (small_code == code_min) | ((small_code == 0) & zero_code.any(dim=1))
         at_min = valid & (mag == code_min[:, None])
         # one nonzero code (M and m share it): one of its elements carries m', the others M'
         at_min = torch.where((code_min == code_max)[:, None], _first(at_min), at_min)
@@ -104,12 +105,14 @@ def _signed(magnitude, negative):
     return torch.where(negative, -magnitude[:, None], magnitude[:, None])
 
 
-def _solve_extremes(meta, code_max, single_max, cfg, width_big, width_small):
+def _solve_extremes(meta, code_max, code_min, has_zero, single_max, cfg, width_big, width_small):
     """Per group, fp32 M' and m' whose log2 values give the metadata (k, log2 c, log2(sQ)) through
-    dre_reference.group_params, M' encoding to the group's largest code: (M', m', m's code magnitude, found).
-    Candidates: `width_*` fp32 neighbours on each side of the values whose log2 is log2 c +- log2(sQ)/k.
-    single_max [n]: the group has one element at its largest code; an m' at that code is then carried by the same
-    element as M', so log2 m' must equal log2 M'."""
+    dre_reference.group_params, M' encoding to the group's largest code and m' to its smallest nonzero code (or to 0
+    where the group holds a zero code): (M', m', m's code magnitude, found). Several fp32 neighbours share one fine
+    log2 but the encoder reads a coarse one, so candidates that fit the metadata can still encode to the next code:
+    the code is part of the condition. Candidates: `width_*` fp32 neighbours on each side of the values whose log2
+    is log2 c +- log2(sQ)/k. single_max [n]: the group has one element at its largest code; an m' at that code is
+    then carried by the same element as M', so log2 m' must equal log2 M'."""
     k, log2_center, log2_scale_q = meta
     half_range = log2_scale_q / k
     big, big_ok, _, a = _preimages(log2_center + half_range, width_big, meta, cfg, code_max)  # [n, A]
@@ -120,6 +123,7 @@ def _solve_extremes(meta, code_max, single_max, cfg, width_big, width_small):
     k_new = torch.floor(torch.full_like(ratio, cfg.expand_numerator) / ratio) * cfg.inv_expand_min
     k_new = torch.where(ratio <= LOG2_RATIO_EPS, 1.0, k_new.clamp(cfg.inv_expand_min, f32(cfg.k_max)))
     good = ((a3 + b3) * 0.5 == lc) & (kc * (a3 - lc) == ls) & (k_new == kc) & (a3 >= b3)
+    small_ok &= (small_code == code_min[:, None]) | ((small_code == 0) & has_zero[:, None])
     good &= big_ok[:, :, None] & small_ok[:, None, :]
     shared = single_max[:, None] & (small_code == code_max[:, None])  # [n, B]
     good &= (a3 == b3) | ~shared[:, None, :]

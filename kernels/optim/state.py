@@ -23,6 +23,7 @@ are also run alone where a full scan would cost too much (a step checks shapes, 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Iterable
 
 import torch
@@ -122,7 +123,12 @@ def to_fp32(entry: dict, m_cfg: DREConfig, v_cfg: DREConfig) -> dict:
     out = {}
     for key, cfg in zip(MOMENTS, (m_cfg, v_cfg)):
         codes, meta = entry[key + "_q"], entry[key + "_meta"]
-        out[key], _ = exact_export.export(codes, meta.to(codes.device), layout, cfg)
+        out[key], failed = exact_export.export(codes, meta.to(codes.device), layout, cfg)
+        if failed:
+            warnings.warn(f"{failed} of {layout.num_groups} {key} groups have no fp32 values that quantize back to "
+                          "their codes and metadata; they are exported as their decoded values, which quantize to "
+                          "nearby codes: a run resumed from these fp32 moments departs slightly from the saved one",
+                          RuntimeWarning, stacklevel=2)
     return out
 
 

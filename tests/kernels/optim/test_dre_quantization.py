@@ -290,3 +290,57 @@ def test_exact_export_quantizes_back_to_the_same_state(fmt, expand, keep_nonzero
     assert torch.equal(ref.dequantize(*ref.quantize(values, layout, cfg), layout), ref.dequantize(codes, meta, layout))
     if expand:
         assert not quantized_equal(*ref.quantize(ref.dequantize(codes, meta, layout), layout, cfg), codes, meta)
+
+
+# Second-moment groups of a real DeepSpeed run (the 20M Llama, step 3) whose smallest element sits where the
+# encoder's coarse log2 parts from the fine one: fp32 neighbours of m that give the same metadata encode to the
+# code below m's. (metadata as float.hex: k, log2 centre, log2(scale * Q); the group's E4M3 code bytes)
+CODE_BOUNDARY_GROUPS = [
+    (['0x1.0000000000000p+0', '-0x1.1948640000000p+5', '0x1.0000040000000p+3'],
+     [118, 86, 74, 32, 83, 112, 81, 114, 92, 116, 83, 113, 109, 120, 89, 77, 88, 104, 98, 65, 99, 88, 28, 83, 80,
+      93, 94, 110, 28, 93, 109, 115, 104, 101, 84, 117, 91, 65, 126, 88, 101, 66, 104, 24, 112, 116, 102, 106,
+      110, 93, 101, 86, 90, 60, 67, 62, 102, 24, 99, 91, 52, 70, 44, 85, 113, 95, 106, 114, 79, 120, 107, 68, 105,
+      75, 69, 92, 41, 37, 113, 112, 90, 63, 87, 112, 107, 75, 106, 107, 111, 62, 75, 100, 100, 111, 68, 100, 47,
+      116, 49, 96, 113, 111, 55, 96, 76, 96, 96, 63, 76, 100, 96, 104, 90, 78, 106, 104, 77, 118, 86, 4, 79, 99,
+      82, 76, 113, 126, 97, 96]),
+    (['0x1.8000000000000p+1', '-0x1.90a0fc0000000p+4', '0x1.07c3340000000p+3'],
+     [60, 80, 57, 78, 106, 17, 100, 70, 49, 3, 13, 47, 96, 49, 59, 33, 71, 24, 44, 101, 16, 28, 56, 44, 83, 40,
+      103, 67, 3, 91, 74, 105, 83, 75, 106, 74, 50, 76, 19, 74, 89, 13, 89, 83, 46, 89, 42, 56, 80, 71, 58, 53,
+      57, 94, 84, 42, 87, 95, 104, 126, 33, 69, 101, 86, 59, 76, 59, 82, 105, 17, 101, 72, 49, 4, 16, 45, 93, 52,
+      58, 25, 73, 20, 44, 103, 14, 33, 59, 44, 86, 41, 104, 66, 3, 88, 69, 105, 83, 75, 106, 77, 52, 76, 17, 72,
+      89, 9, 89, 82, 47, 85, 42, 58, 80, 67, 58, 54, 59, 96, 87, 48, 88, 96, 107, 125, 33, 73, 101, 85]),
+]
+
+
+def test_exact_export_anchors_the_smallest_element_at_its_own_code():
+    """The fp32 m' exported for a group's smallest element encodes to that element's code and gives the metadata
+    back: in these groups some fp32 values that give the metadata encode to the code below (a universal checkpoint
+    holding those would resume with other codes)."""
+    from coat_kernels.optim.exact_export import export, quantized_equal
+
+    cfg = ref.DREConfig("e4m3", expand=True)
+    for meta_hex, code_bytes in CODE_BOUNDARY_GROUPS:
+        layout = build_layout([(0, len(code_bytes), 0)], len(code_bytes), G)
+        meta = torch.tensor([[float.fromhex(v)] for v in meta_hex], dtype=torch.float32)
+        codes = torch.tensor(code_bytes, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        values, failed = export(codes, meta, layout, cfg)
+        assert failed == 0
+        assert quantized_equal(*ref.quantize(values, layout, cfg), codes, meta)
+
+
+def test_groups_exported_inexactly_are_reported(monkeypatch):
+    """A group with no exact fp32 preimage is exported as its decoded values: to_fp32 says so (a warning naming the
+    count) instead of letting a resumed run depart silently."""
+    from coat_kernels.optim import CoatFP8AdamW, exact_export, state
+
+    p = torch.nn.Parameter(torch.randn(1000))
+    opt = CoatFP8AdamW([p], lr=1e-3, backend="torch")
+    p.grad = torch.randn(1000)
+    opt.step()
+    m_cfg, v_cfg = state.config_of(opt.param_groups[0]).moment_configs()
+    exact = state.to_fp32(opt.state[p], m_cfg, v_cfg)
+    real_export = exact_export.export
+    monkeypatch.setattr(exact_export, "export", lambda *a: (real_export(*a)[0], 2))
+    with pytest.warns(RuntimeWarning, match="2 of 8 exp_avg groups have no fp32 values"):
+        reported = state.to_fp32(opt.state[p], m_cfg, v_cfg)
+    assert all(torch.equal(reported[k], exact[k]) for k in exact)
