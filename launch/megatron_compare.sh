@@ -16,6 +16,9 @@
 #   local_coatadam_tp1     `local` BF16 spec + COAT FP8 optimizer
 #   coat_teattn_tp1        coat_tp1 with TE's attention core (--coat-attention te)               needs TE
 #   coat_tp2_sp            coat_tp1 at TP=2 + sequence parallelism                                2 GPUs
+#   te_bf16_tp2_sp, te_fp8_delayed_tp2_sp   the TE arms at TP=2 + sequence parallelism           2 GPUs, TE
+#   coat_dp2, te_bf16_dp2, te_fp8_delayed_dp2   data parallel on 2 GPUs (distributed optimizer); the global batch
+#                          is 2 x the micro-batch                                                2 GPUs
 # MICROS: the micro-batch sizes to run (global batch = micro-batch, one micro-batch per step). "max": the largest
 # that fits, predicted from the same arm's run at the first size (its peak and its memory between iterations, linear
 # in the micro-batch), tried, and lowered (by 1/8; by 1 below 16) while it runs out of memory; "max:N": the same
@@ -71,6 +74,7 @@ ARMS=${ARMS:-$DEFAULT_ARMS}
 COMMON+=(${EXTRA_ARGS:-})  # e.g. EXTRA_ARGS="--profile --use-pytorch-profiler --profile-step-start 30 ..."
 
 GRAPH="--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad"
+TP2="--tensor-model-parallel-size 2 --sequence-parallel"
 arm_args() {
   case $1 in
     te_bf16_tp1) echo "--transformer-impl transformer_engine" ;;
@@ -84,7 +88,12 @@ arm_args() {
     coat_teattn_tp1) echo "--transformer-impl coat --coat-optimizer --coat-attention te" ;;
     coat_torchadam_tp1) echo "--transformer-impl coat" ;;
     local_coatadam_tp1) echo "--transformer-impl local --coat-optimizer" ;;
-    coat_tp2_sp) echo "--transformer-impl coat --coat-optimizer --tensor-model-parallel-size 2 --sequence-parallel" ;;
+    coat_tp2_sp) echo "--transformer-impl coat --coat-optimizer $TP2" ;;
+    te_bf16_tp2_sp) echo "$(arm_args te_bf16_tp1) $TP2" ;;
+    te_fp8_delayed_tp2_sp) echo "$(arm_args te_fp8_delayed_tp1) $TP2" ;;
+    coat_dp2) arm_args coat_tp1 ;;
+    te_bf16_dp2) arm_args te_bf16_tp1 ;;
+    te_fp8_delayed_dp2) arm_args te_fp8_delayed_tp1 ;;
     *) echo "unknown arm $1" >&2; return 1 ;;
   esac
 }
@@ -93,12 +102,14 @@ run() {  # run LOG GPUS NPROC PORT MICRO ITERS ARM: one training run; its exit s
   local log=$1 gpus=$2 nproc=$3 port=$4 micro=$5 iters=$6 arm=$7 module=coat_megatron.pretrain_gpt
   [[ $arm == *_note_* ]] && module=launch.without_te
   local args; args=$(arm_args "$arm")
+  local global=$micro
+  [[ $arm == *_dp2 ]] && global=$((micro * 2))  # one micro-batch per data-parallel rank
   echo "== $(basename "$log" .log): CUDA_VISIBLE_DEVICES=$gpus torchrun --nproc_per_node $nproc -m $module" \
-       "--micro-batch-size $micro --train-iters $iters $args"
+       "--micro-batch-size $micro --global-batch-size $global --train-iters $iters $args"
   local rc=0
   # shellcheck disable=SC2086
   CUDA_VISIBLE_DEVICES=$gpus python3 -m torch.distributed.run --nproc_per_node "$nproc" --master_port "$port" \
-    -m "$module" "${COMMON[@]}" --micro-batch-size "$micro" --global-batch-size "$micro" \
+    -m "$module" "${COMMON[@]}" --micro-batch-size "$micro" --global-batch-size "$global" \
     --train-iters "$iters" --eval-interval "$iters" $args > "$log" 2>&1 || rc=$?
   echo "== $(basename "$log" .log): exit $rc"
   return $rc
@@ -135,7 +146,7 @@ run_arm() {  # run_arm ARM GPUS NPROC PORT: every size in MICROS
 slot=0
 for arm in $ARMS; do
   arm_args "$arm" > /dev/null
-  if [[ $arm == *_tp2* ]]; then
+  if [[ $arm == *_tp2* || $arm == *_dp2 ]]; then
     wait; slot=0
     if (( NGPUS < 2 )); then echo "== $arm skipped: needs 2 GPUs, $NGPUS visible"; continue; fi
     run_arm "$arm" 0,1 2 29511

@@ -6,10 +6,10 @@ between iterations, the optimizer's own time per iteration, final validation los
 The optimizer's time: the median over log intervals ending after iteration --skip of Megatron's `optimizer` timer
 (`optimizer.step()` as megatron.training times it: gradient norm and clipping, the inner step, parameter copies;
 --timing-log-level 1, the maximum across ranks, per iteration) and, where logged, `optimizer-inner-step` (the inner
-optimizer alone). Validation loss: the last evaluation of the training loop (`validation loss at iteration N | ...`, --eval-interval);
-the evaluations megatron.training runs after training (`... on validation set`, `... on test set`) read other
-batches, whose choice depends on the seed, so they are left out. BF16's spread: max - min over the `bf16_s*` arms,
-in % of bf16_s0's.
+optimizer alone). Validation loss: the last evaluation of the training loop (`validation loss at iteration N |
+...`, every --eval-interval); the evaluations megatron.training runs after training (`... on validation set`,
+`... on test set`) read other batches, whose choice depends on the seed, so they are left out. BF16's spread:
+max - min over the `bf16_s*` arms, in % of bf16_s0's.
 """
 from __future__ import annotations
 

@@ -118,9 +118,8 @@ def test_exact_export_on_cuda_round_trips_through_the_kernel(fmt):
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_exported_moments_quantize_back_to_their_codes_with_the_kernel(fmt):
     """A universal (or torch-format) checkpoint holds fp32 moments exported so that quantizing them again gives the
-    saved codes and metadata (exact_export, searched against the reference's log2); a load on a GPU quantizes them
-    with the Triton kernel, which must give those codes back too. The exported extremes sit at the edge of log2's
-    fp32 rounding, where two log2 implementations can part although they agree on random values."""
+    saved codes and metadata (exact_export, searched with the reference); a load on a GPU quantizes them with the
+    Triton kernel, which must give those codes back too."""
     from coat_kernels.optim import exact_export
 
     layout = LAYOUTS["ragged segments"]
