@@ -1,4 +1,4 @@
-"""DeepSpeed training of a Llama-style causal LM (built from a config, no downloads) on synthetic data.
+"""DeepSpeed training of a Llama-style causal LM (built from a config, no downloads) on synthetic data or real text.
 
     torchrun --nproc_per_node 2 launch/train_ds.py --ds-config configs/ds_zero2_coat.json --model tinyllama-1b
     deepspeed --num_gpus 2 launch/train_ds.py --ds-config configs/ds_zero2_coat.json
@@ -11,8 +11,10 @@ writes the curve.
 The optimizer, ZeRO stage and precision come from the DeepSpeed config; this script only sets the batch sizes
 (`--global-batch` sequences per step, split over the data-parallel ranks) and, with `--lr`, the peak learning rate.
 
-Data: sequences from a fixed random bigram language (each token has 8 possible successors with Zipf weights, about
-1.7 nats of entropy), a deterministic function of (seed, global sample index): with the same --global-batch, runs
+Data (`--data`): `bigram` (default), sequences from a fixed random bigram language (each token has 8 possible
+successors with Zipf weights, about 1.7 nats of entropy); `corpus`, windows of real text: the Python standard
+library's sources and documentation (launch.corpus: BPE 8192, built once and cached; needs a model vocabulary of at
+least 8192). Either is a deterministic function of (seed, global sample index): with the same --global-batch, runs
 on 1 and on 2 GPUs see identical global batches, so their loss curves are comparable step by step.
 
 Checkpoints (DeepSpeed's own `save_checkpoint` / `load_checkpoint`):
@@ -94,6 +96,30 @@ class BigramData:
         return torch.from_numpy(out)
 
 
+class CorpusData:
+    """Windows of seq_len + 1 tokens of the standard library corpus's training split, each at an offset drawn from
+    (seed, global sample index)."""
+
+    def __init__(self, model_vocab: int, seq_len: int, seed: int):
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from launch import corpus
+
+        loaded = corpus.load(log=lambda *a: None)
+        if loaded.vocab_size > model_vocab:
+            raise SystemExit(f"--data corpus has a vocabulary of {loaded.vocab_size} tokens, more than the model's "
+                             f"{model_vocab}: pick a --model with a vocabulary of at least {loaded.vocab_size}")
+        self.tokens = loaded.train
+        if len(self.tokens) <= seq_len + 1:
+            raise SystemExit(f"--seq-len {seq_len} is longer than the corpus ({len(self.tokens)} tokens)")
+        self.seq_len, self.seed = seq_len, seed
+
+    def sequences(self, first_index: int, count: int) -> torch.Tensor:
+        """int64 [count, seq_len + 1] for global sample indices first_index .. first_index + count - 1."""
+        high = len(self.tokens) - self.seq_len - 1
+        starts = [int(np.random.default_rng((self.seed, first_index + i)).integers(0, high)) for i in range(count)]
+        return torch.from_numpy(np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts]).astype(np.int64))
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ds-config", required=True, help="DeepSpeed config JSON (optimizer, ZeRO stage, precision)")
@@ -105,6 +131,8 @@ def parse_args(argv=None):
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None,
                    help="ZeRO stage (overrides the config's zero_optimization.stage)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--data", choices=("bigram", "corpus"), default="bigram",
+                   help="synthetic bigram sequences, or the standard library corpus (real text)")
     p.add_argument("--csv", default=None, help="write step,loss,step_s,tokens_per_s here (rank 0; loss exact)")
     p.add_argument("--label", default=None, help="name of the run in the summary")
     p.add_argument("--compile-layers", action="store_true", help="torch.compile each decoder layer (in place)")
@@ -241,11 +269,11 @@ def main(argv=None):
     n_params = sum(p.numel() for p in model.parameters())
     apply_peer_options(model, args)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    position = dict(step=0, samples=0, seed=args.seed, seq_len=args.seq_len, model=args.model)
+    position = dict(step=0, samples=0, seed=args.seed, seq_len=args.seq_len, data=args.data, model=args.model)
     if resume:
         position = load_checkpoint(engine, *resume, args, rank)
     first_step = position["step"]
-    data = BigramData(model.config.vocab_size, args.seq_len, args.seed)
+    data = (CorpusData if args.data == "corpus" else BigramData)(model.config.vocab_size, args.seq_len, args.seed)
     micro = args.global_batch // world
     tokens_per_step = args.global_batch * args.seq_len
     label = args.label or os.path.splitext(os.path.basename(args.ds_config))[0]
@@ -305,7 +333,7 @@ def main(argv=None):
         steady = step_times[min(10, len(step_times) // 2):]
         median_s = statistics.median(steady)
         summary = dict(label=label, model=args.model, params=n_params, ranks=world, global_batch=args.global_batch,
-                       seq_len=args.seq_len, steps=args.steps, first_step=first_step + 1,
+                       seq_len=args.seq_len, data=args.data, steps=args.steps, first_step=first_step + 1,
                        optimizer=states[0]["optimizer"], grad_checkpointing=args.grad_checkpointing,
                        first_loss=rows[0][1], final_loss=rows[-1][1],
                        mean_loss_last10=statistics.fmean(r[1] for r in rows[-10:]),
@@ -354,14 +382,14 @@ def save_checkpoint(engine, args, position: dict, rank: int):
 
 def load_checkpoint(engine, directory: str, tag: str, args, rank: int) -> dict:
     """Load DIR/TAG into the engine (weights, optimizer states, LR scheduler, step counters) and return where the
-    data stand: the saved step and sample count. The run must draw the same data (seed, sequence length) and have
+    data stand: the saved step and sample count. The run must draw the same data (seed, sequence length, --data) and have
     steps left to train; otherwise SystemExit says what differs. (Another --model fails in DeepSpeed's load.)"""
     start = time.perf_counter()
     load_path, client_state = engine.load_checkpoint(directory, tag=tag)
     if load_path is None:
         raise SystemExit(f"--resume: DeepSpeed loaded nothing from {os.path.join(directory, tag)}")
     saved = client_state.get("train_ds") or dict(step=engine.global_steps, samples=engine.global_samples)
-    for key in ("seed", "seq_len"):
+    for key in ("seed", "seq_len", "data"):
         if key in saved and saved[key] != getattr(args, key):
             flag = "--" + key.replace("_", "-")
             raise SystemExit(f"--resume {directory}:{tag} was saved with {flag} {saved[key]}, this run has "
@@ -374,7 +402,7 @@ def load_checkpoint(engine, directory: str, tag: str, args, rank: int) -> dict:
     if rank == 0:
         print(f"[train_ds] resumed from {load_path} (step {saved['step']}, {saved['samples']} samples) in "
               f"{time.perf_counter() - start:.1f} s", flush=True)
-    return dict(saved, seed=args.seed, seq_len=args.seq_len, model=args.model)
+    return dict(saved, seed=args.seed, seq_len=args.seq_len, data=args.data, model=args.model)
 
 
 def apply_peer_options(model, args):

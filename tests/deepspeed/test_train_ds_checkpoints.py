@@ -1,9 +1,13 @@
-"""launch/train_ds.py's checkpoints (--save-dir/--save-at, --resume, --universal) on CPU: gloo ranks under torchrun,
-CoatFP8AdamW + FP8 activations (configs/ds_zero2_coat_full.json), ZeRO-2 and ZeRO-3, a 6-step run saved after
-step 3 and resumed on 2 and on 1 rank (tests/jobs/train_ds_runs.py runs the flow; the GPU test runs it too)."""
+"""launch/train_ds.py on CPU: checkpoints (--save-dir/--save-at, --resume, --universal) with gloo ranks under
+torchrun, CoatFP8AdamW + FP8 activations (configs/ds_zero2_coat_full.json), ZeRO-2 and ZeRO-3, a 6-step run saved
+after step 3 and resumed on 2 and on 1 rank (tests/jobs/train_ds_runs.py runs the flow; the GPU test runs it too);
+and its --data corpus windows."""
 import importlib.util
+from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 import train_ds_runs as runs
 
@@ -99,3 +103,22 @@ def test_resume_finds_the_checkpoint_or_says_what_is_wrong(train_ds, tmp_path):
     other = tmp_path / "other"
     make_checkpoint(other, "step5", latest=False)
     fails(str(other), False, 2, "latest does not exist", f"--resume {other}:TAG", "['step5']")
+
+
+def test_corpus_data_is_a_function_of_seed_and_sample_index(train_ds, monkeypatch):
+    """--data corpus: windows of consecutive corpus tokens, the same for a sample index whichever rank reads it
+    (ranks read slices of the global batch), other windows for another seed; a model vocabulary smaller than the
+    corpus's is an error before training."""
+    from launch import corpus
+
+    fake = corpus.Corpus(train=np.arange(10_000, dtype=np.uint32), val=np.arange(100, dtype=np.uint32),
+                         vocab_size=8192, directory=Path("."), meta={})
+    monkeypatch.setattr(corpus, "load", lambda **kwargs: fake)
+    data = train_ds.CorpusData(32000, 16, seed=3)
+    batch = data.sequences(10, 4)
+    assert batch.shape == (4, 17) and batch.dtype == torch.int64
+    assert torch.equal(batch[2:], data.sequences(12, 2))
+    assert (batch[:, 1:] - batch[:, :-1] == 1).all()
+    assert not torch.equal(train_ds.CorpusData(32000, 16, seed=4).sequences(10, 4), batch)
+    with pytest.raises(SystemExit, match="vocabulary of 8192 tokens, more than the model's 512"):
+        train_ds.CorpusData(512, 16, seed=3)
