@@ -382,8 +382,9 @@ def save_checkpoint(engine, args, position: dict, rank: int):
 
 def load_checkpoint(engine, directory: str, tag: str, args, rank: int) -> dict:
     """Load DIR/TAG into the engine (weights, optimizer states, LR scheduler, step counters) and return where the
-    data stand: the saved step and sample count. The run must draw the same data (seed, sequence length, --data) and have
-    steps left to train; otherwise SystemExit says what differs. (Another --model fails in DeepSpeed's load.)"""
+    data stand: the saved step and sample count. The run must draw the same data (seed, sequence length, --data)
+    and have steps left to train; otherwise SystemExit says what differs. (Another --model fails in DeepSpeed's
+    load.)"""
     start = time.perf_counter()
     load_path, client_state = engine.load_checkpoint(directory, tag=tag)
     if load_path is None:
