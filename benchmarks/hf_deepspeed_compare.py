@@ -17,7 +17,7 @@ The default --arms are the ones above the checkpointing and offload lines.
 
     python benchmarks/hf_deepspeed_compare.py [--model tinyllama-1b] [--micro-batch 8 | --micro-batches 1,2,4,8]
         [--steps 30] [--curve-steps 200] [--curve-arms bf16,coat] [--arms ...] [--max-batch] [--out DIR]
-        [--gpus N] [--zero-stage 2|3]
+        [--gpus N] [--zero-stage 2|3] [--data bigram|corpus] [--seed S]
 
 --gpus N runs each arm on N ranks (data parallel, micro-batch per rank, so the global batch is N x micro-batch);
 --zero-stage overrides the configs' ZeRO stage (ZeRO-3 partitions the bf16 weights too).
@@ -65,7 +65,7 @@ def run_arm(arm, args, micro_batch, steps, tag, port):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.gpus), "--master_port",
            str(port), os.path.join(ROOT, "launch", "train_ds.py"), "--ds-config", os.path.join(ROOT, config),
            "--model", args.model, "--seq-len", str(args.seq_len), "--global-batch", str(micro_batch * args.gpus),
-           "--steps", str(steps), "--seed", str(args.seed), "--label", name, "--csv", csv, *flags,
+           "--steps", str(steps), "--seed", str(args.seed), "--data", args.data, "--label", name, "--csv", csv, *flags,
            *(["--zero-stage", str(args.zero_stage)] if args.zero_stage else [])]
     print(f"== {name}: {' '.join(cmd)}", flush=True)
     with open(log, "w") as f:
@@ -173,6 +173,8 @@ def main(argv=None):
     p.add_argument("--max-batch-tries", type=int, default=3)
     p.add_argument("--memory-fraction", type=float, default=0.96)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--data", choices=("bigram", "corpus"), default="bigram",
+                   help="launch/train_ds.py's data: synthetic bigram sequences or the standard library corpus")
     p.add_argument("--gpus", type=int, default=1, help="ranks per arm (data parallel)")
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None)
     p.add_argument("--run-timeout", type=int, default=900)
