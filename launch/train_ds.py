@@ -101,7 +101,9 @@ class CorpusData:
     (seed, global sample index)."""
 
     def __init__(self, model_vocab: int, seq_len: int, seed: int):
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # launch/'s parent: `launch` importable
+        if root not in sys.path:
+            sys.path.insert(0, root)
         from launch import corpus
 
         loaded = corpus.load(log=lambda *a: None)

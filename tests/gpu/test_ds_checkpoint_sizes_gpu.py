@@ -37,4 +37,8 @@ def test_resume_across_data_parallel_sizes_on_gpus(tmp_path, stage):
     setup = runs.Training(flags=flags, env=runs.environment(cpu=False), timeout_s=600)
     curves = runs.resume_across_sizes(setup, tmp_path, one_to_two=True)
     diffs = runs.report(curves, stage, setup.steps)
-    runs.check_size_changes(curves, diffs, NOISE_BOUND, FLOOR)
+    tolerance = runs.check_size_changes(curves, diffs, NOISE_BOUND, FLOOR)
+    after = range(runs.SAVE_AT + 1, setup.steps + 1)
+    for name in ("2->2", "2->2 universal"):
+        assert [curves.losses[name][s] for s in after] == [curves.losses["2"][s] for s in after], name
+    assert set(diffs) == {"2->1", "1->2"} and max(diffs.values()) <= tolerance, (diffs, tolerance)
