@@ -170,40 +170,15 @@ def test_expansion_beats_plain_e4m3_on_real_moments():
     assert mse(True, k_max=16.0) <= mse(True, k_max=8.0) * 1.05  # the default cap is at least as good as 8
 
 
-_COMPILE_GLUON_FOR_HOPPER = """
-import sys
-import triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from coat_kernels.optim import dre_reference as ref, dre_triton as tri
-
-kernel = tri._fused_adamw_gluon
-groups_per_row, threads_per_group = tri.launch_shape(128)
-consts = dict(P_DTYPE=tl.float32, G_DTYPE=tl.bfloat16, SKIP_NONFINITE=True, GROUP=128, NG=groups_per_row,
-              ALIGNED=True, FULL=sys.argv[1] == "full", THREADS_PER_GROUP=threads_per_group, REMAINDER=False,
-              **{f"{m}_{k}": v for m in "MV" for k, v in tri._moment_args(ref.DREConfig("e4m3")).items()})
-pointers = {"rows": "*i64", "tensors": "*i64", "skipped": "*i32"}
-signature = {n: "constexpr" if n in consts else pointers.get(n, "*fp32") for n in kernel.arg_names}
-source = GluonASTSource(kernel, signature, constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()})
-compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=tri.NUM_WARPS, enable_fp_fusion=False))
-print(compiled.asm["ptx"])
-"""
-
-
 @pytest.mark.parametrize("full", [True, False])
 def test_gluon_kernel_compiles_for_hopper(full):
     """The CUDA entry point (Gluon: the interpreter cannot run it) builds for sm_90 without a GPU; full rows get
     16-byte loads; FP8 casts are the saturating hardware conversion."""
-    import os
-    import subprocess
-    import sys
+    from gluon_ptx import hopper_ptx
 
     if tri.gluon is None:
         pytest.skip("this Triton has no Gluon")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    ptx = subprocess.run([sys.executable, "-c", _COMPILE_GLUON_FOR_HOPPER, "full" if full else "ragged"], env=env,
-                         capture_output=True, text=True, check=True).stdout
+    ptx = hopper_ptx("fp32", full, remainder=False)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert ("ld.global.v4" in ptx) == full  # fp32 params: vector loads on full rows only
 

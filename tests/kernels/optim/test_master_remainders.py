@@ -375,35 +375,11 @@ def test_master_remainders_option_is_a_strict_bool():
         CoatFP8AdamW([torch.zeros(2)], master_remainders=1)
 
 
-_COMPILE_REMAINDER_GLUON_FOR_HOPPER = """
-import triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from coat_kernels.optim import dre_reference as ref, dre_triton as tri
-
-kernel = tri._fused_adamw_gluon
-groups_per_row, threads_per_group = tri.launch_shape(128)
-consts = dict(P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, SKIP_NONFINITE=True, GROUP=128, NG=groups_per_row,
-              ALIGNED=True, FULL=True, THREADS_PER_GROUP=threads_per_group, REMAINDER=True,
-              **{f"{m}_{k}": v for m in "MV" for k, v in tri._moment_args(ref.DREConfig("e4m3")).items()})
-pointers = {"rows": "*i64", "tensors": "*i64", "skipped": "*i32"}
-signature = {n: "constexpr" if n in consts else pointers.get(n, "*fp32") for n in kernel.arg_names}
-source = GluonASTSource(kernel, signature, constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()})
-compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=tri.NUM_WARPS, enable_fp_fusion=False))
-print(compiled.asm["ptx"])
-"""
-
-
 def test_gluon_remainder_kernel_compiles_for_hopper():
     """The CUDA entry point with remainders builds for sm_90 without a GPU (the GPU test runs it)."""
-    import os
-    import subprocess
-    import sys
+    from gluon_ptx import hopper_ptx
 
     if tri.gluon is None:
         pytest.skip("this Triton has no Gluon")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    ptx = subprocess.run([sys.executable, "-c", _COMPILE_REMAINDER_GLUON_FOR_HOPPER], env=env, capture_output=True,
-                         text=True, check=True).stdout
+    ptx = hopper_ptx("bf16", full=True, remainder=True)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "st.global" in ptx
