@@ -1,7 +1,15 @@
 """GPU checks (marker `gpu`): skipped on machines without CUDA. Run on the GPU machine with
-`python -m pytest -q -m gpu tests/gpu`."""
+`python -m pytest -q -m gpu tests/gpu`, also from a copy of tests/ beside an installed package (no pyproject.toml
+there to put tests/jobs on the path: done here)."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+JOBS = str(Path(__file__).resolve().parents[1] / "jobs")
+if JOBS not in sys.path:
+    sys.path.insert(0, JOBS)
 
 
 def pytest_collection_modifyitems(config, items):

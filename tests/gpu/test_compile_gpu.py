@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+from compile_helpers import layer_step, loss_and_grads
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from coat_hf import ActivationConfig, coat_runtime, convert_to_coat
@@ -34,15 +35,6 @@ def llama(layers=2):
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def layer_step(layer, x, dy, position_embeddings):
-    for p in layer.parameters():
-        p.grad = None
-    x = x.clone().requires_grad_()
-    y = layer(x, position_embeddings=position_embeddings)
-    y.backward(dy)
-    return [t.detach().clone() for t in [y, x.grad] + [p.grad for p in layer.parameters()]]
 
 
 def same_or_close(got, expected, deterministic, bound):
@@ -82,14 +74,6 @@ def test_a_compiled_decoder_layer_gives_eager_coat(mode):
 
 def batch(seed, size=2):
     return torch.randint(0, VOCAB, (size, SEQ), generator=torch.Generator().manual_seed(seed)).cuda()
-
-
-def loss_and_grads(model, ids):
-    for p in model.parameters():
-        p.grad = None
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
 def test_a_compiled_causal_lm_has_no_graph_break_and_gives_eager_coat():

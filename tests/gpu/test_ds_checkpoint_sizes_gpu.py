@@ -9,15 +9,9 @@
 The script and configs are taken from this checkout (tests/../launch, tests/../configs); the packages are the
 installed ones.
 """
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jobs"))
-
-import train_ds_runs as runs  # noqa: E402
+import train_ds_runs as runs
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 

@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from compile_helpers import layer_step, loss_and_grads
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Trainer, TrainingArguments
@@ -27,14 +28,6 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-def loss_and_grads(model, ids):
-    for p in model.parameters():
-        p.grad = None
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
 def assert_same_bits(got, expected, names):
@@ -82,15 +75,6 @@ def layer_inputs(model, b, s, seed=3):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(b, s, 64, generator=g).to(BF16)
     return x, torch.randn(b, s, 64, generator=g).to(BF16), model.model.rotary_emb(x, torch.arange(s)[None])
-
-
-def layer_step(layer, x, dy, position_embeddings):
-    for p in layer.parameters():
-        p.grad = None
-    x = x.clone().requires_grad_()
-    y = layer(x, position_embeddings=position_embeddings)
-    y.backward(dy)
-    return [y.detach(), x.grad] + [p.grad for p in layer.parameters()]
 
 
 def test_one_decoder_layer_compiles_with_inductor_to_the_eager_bits():
