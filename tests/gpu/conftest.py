@@ -12,6 +12,11 @@ if JOBS not in sys.path:
     sys.path.insert(0, JOBS)
 
 
+def pytest_configure(config):
+    """The marker, also where pyproject.toml (which registers it) is not beside tests/."""
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (tests/gpu; skipped without one)")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
