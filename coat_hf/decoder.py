@@ -12,7 +12,8 @@ benchmarks alike.
 - residual add + norm2 + gate/up + SwiGLU + down: one `fp8_norm_swiglu_mlp` node.
 Generation steps that extend a KV cache (one new token at a time) run the layer's original BF16 forward.
 With `ActivationConfig(cuda_graphs=True)` a training step's layer forward and backward replay CUDA graphs captured
-per input shape (coat_kernels.act.layer_graphs) where the call allows it (`graphable`); other calls run eagerly.
+per input shape (coat_kernels.act.layer_graphs; at most `cuda_graph_shapes` shapes per layer) where the call allows
+it (`graphable`); other calls run eagerly.
 """
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ class LayerState:
             def forward(x, cos, sin, mask):
                 return decoder_layer(layer, inner, x, (cos, sin), mask)
 
-            self.graphs = GraphedLayer(forward, layer, pool=self.runtime.graph_pool)
+            self.graphs = GraphedLayer(forward, layer, pool=self.runtime.graph_pool,
+                                       max_shapes=self.config.cuda_graph_shapes)
         return self.graphs
 
 

@@ -19,6 +19,9 @@ cuda_graphs: layers that support it (coat_hf's decoder layers) capture their for
 input shape and replay them (coat_kernels.act.layer_graphs): no host cost per layer step, for static shapes, CUDA
 tensors, training steps whose forward is followed by its backward; parameters must stay where they are (ZeRO-1/2,
 plain PyTorch; not ZeRO-3). Inside a graph the weights are quantized at every forward (cache_weights does not apply).
+cuda_graph_shapes: how many input shapes each layer keeps graphs for (each set keeps its own buffers and saved
+activations); a call with another shape runs eagerly, with one warning per model. Pad or pack batches to a few fixed
+lengths where graphs should replay.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..options import BACKENDS, check_bool, check_choice, from_mapping
+from ..options import BACKENDS, check_bool, check_choice, check_int, from_mapping
 from ..triton_fp8 import require_triton_device
 
 TRANSPOSED_WEIGHTS = ("forward", "backward")
@@ -40,12 +43,14 @@ class ActivationConfig:
     cache_weights: bool = True
     transposed_weights: str = "forward"
     cuda_graphs: bool = False
+    cuda_graph_shapes: int = 4
 
     def __post_init__(self):
         check_choice("backend", self.backend, BACKENDS)
         check_choice("transposed_weights", self.transposed_weights, TRANSPOSED_WEIGHTS)
         for name in ("fprop_fast_accum", "cache_weights", "cuda_graphs"):
             check_bool(name, getattr(self, name))
+        check_int("cuda_graph_shapes", self.cuda_graph_shapes, minimum=1)
 
     def use_triton(self, t: torch.Tensor) -> bool:
         """Whether ops on `t` run the Triton kernels (backend="triton" on a tensor no Triton backend can run on is an

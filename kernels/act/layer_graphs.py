@@ -8,7 +8,12 @@ Calling the GraphedLayer with inputs of a signature seen before replays the forw
 replays the backward graph, which gives the gradients of the inputs and parameters to autograd as ordinary gradients
 (accumulated into `.grad`, through any hooks an engine put on the parameters). A signature is the inputs' shapes,
 dtypes and requires_grad, and the parameters' storage addresses (an engine that moves or re-allocates parameters
-gets new graphs).
+gets new graphs, and the graphs made for the old addresses are released).
+
+Shapes: a GraphedLayer keeps graphs for at most `max_shapes` input signatures; a call with another one runs `fn`
+eagerly (the same results), and the first such call of a model warns once (through its GraphPool), naming the
+limit and the shape: inputs of ever new lengths (batches padded to their longest sequence) would otherwise capture,
+and keep the memory of, one set of graphs per length.
 
 What a replay needs and how it is kept right:
 - Inputs are copied into the graph's own input buffers (skipped when the caller passes those very buffers). An input
@@ -32,6 +37,7 @@ Only CUDA tensors, with grad enabled, outside another capture; `fn` must not syn
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -46,6 +52,7 @@ class GraphPool:
     def __init__(self):
         self._handle = None
         self.outputs: dict = {}
+        self.warned_shape_limit = False
 
     @property
     def handle(self):
@@ -55,7 +62,19 @@ class GraphPool:
 
     def __getstate__(self):
         """Copies and pickles start empty (a copied model captures its own graphs in a pool of its own)."""
-        return {"_handle": None, "outputs": {}}
+        return {"_handle": None, "outputs": {}, "warned_shape_limit": False}
+
+    def warn_shape_limit(self, max_shapes: int, inputs) -> None:
+        """One warning per model: a layer met more input shapes than it keeps graphs for."""
+        if self.warned_shape_limit:
+            return
+        self.warned_shape_limit = True
+        shapes = [tuple(t.shape) for t in inputs if t is not None]
+        warnings.warn(f"coat-fp8: a layer with per-layer CUDA graphs was called with input shapes {shapes}, a new "
+                      f"shape beyond the {max_shapes} it keeps graphs for (ActivationConfig.cuda_graph_shapes; "
+                      f'ds_config "coat": {{"cuda_graph_shapes": N}}); calls with such shapes run eagerly (same '
+                      "results, the eager host cost). Pad or pack batches to a few fixed lengths (e.g. a data "
+                      "collator's pad_to_multiple_of) so that graphs replay for all of them.", stacklevel=4)
 
 
 @dataclass
@@ -105,6 +124,7 @@ class GraphedLayer:
     module: torch.nn.Module
     pool: GraphPool = field(default_factory=GraphPool)  # shared by the graphed layers of one model
     warmup: int = 1
+    max_shapes: int = 4
     captures: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -112,14 +132,32 @@ class GraphedLayer:
         self.params = [self.module.get_parameter(n) for n in self.names]
 
     def __call__(self, *inputs):
-        key = self._signature(inputs)
-        capture = self.captures.get(key)
-        if capture is None:
-            capture = self.captures[key] = self._capture(inputs)
-        if capture.pending is not None and capture.pending() is not None:
-            return self.fn(*inputs)  # the previous call's backward is pending: its output must stay as it is
+        capture = self._capture_for(inputs)
+        if capture is None or (capture.pending is not None and capture.pending() is not None):
+            # over the shape limit, or the previous call's backward is pending (its output must stay as it is)
+            return self.fn(*inputs)
         tensors = [t if t is not None else _NONE for t in inputs]
         return _Replay.apply(capture, len(inputs), *tensors, *self.params)
+
+    def _capture_for(self, inputs):
+        """The capture for these inputs (made now if new and within max_shapes), or None: run eagerly."""
+        key = self._signature(inputs)
+        capture = self.captures.get(key)
+        if capture is not None:
+            return capture
+        self._release_stale(key[1])
+        if len(self.captures) >= self.max_shapes:
+            self.pool.warn_shape_limit(self.max_shapes, inputs)
+            return None
+        capture = self.captures[key] = self._capture(inputs)
+        return capture
+
+    def _release_stale(self, param_ptrs):
+        """Drop the captures made for parameter addresses other than the current ones (they can never replay); a
+        replay whose backward is pending keeps its capture alive through its autograd node until then."""
+        for key in [k for k in self.captures if k[1] != param_ptrs]:
+            stale = self.captures.pop(key)
+            self.pool.outputs.pop(stale.output.data_ptr(), None)
 
     def _signature(self, inputs):
         return (tuple(None if t is None else (tuple(t.shape), t.dtype, t.requires_grad, t.device) for t in inputs),

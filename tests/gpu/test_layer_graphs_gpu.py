@@ -128,7 +128,7 @@ def test_moved_parameters_recapture_and_checkpointing_and_eval_run_eagerly():
     with torch.no_grad():
         layer.mlp.down_proj.weight.data = layer.mlp.down_proj.weight.data.clone()  # a new storage
     train(graphed, 1)
-    assert len(layer.coat.graphs.captures) == 2
+    assert len(layer.coat.graphs.captures) == 1  # recaptured; the graphs of the old storage released
     graphed.eval()
     with torch.no_grad():
         graphed(input_ids=torch.zeros(1, 8, dtype=torch.long, device="cuda"))
@@ -139,6 +139,30 @@ def test_moved_parameters_recapture_and_checkpointing_and_eval_run_eagerly():
     graphed.gradient_checkpointing_enable()
     train(graphed, 1)
     assert sum(c.replays for c in layer.coat.graphs.captures.values()) == before
+
+
+def test_shapes_beyond_the_limit_run_eagerly_with_the_eager_results():
+    eager, graphed = model_pair()
+    for layer in graphed.model.layers:
+        layer.coat.config = layer.coat.config.replace(cuda_graph_shapes=2)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    with pytest.warns(UserWarning, match="cuda_graph_shapes") as caught:
+        for length in (SEQ, SEQ // 2, SEQ // 4, SEQ // 2, SEQ // 4):
+            ids = torch.randint(0, VOCAB, (2, length), device="cuda", generator=g)
+            results = []
+            for model in (eager, graphed):
+                model.zero_grad(set_to_none=True)
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                results.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+            (le, ge), (lg, gg) = results
+            assert abs(lg - le) / abs(le) < 1e-3, (length, lg, le)
+            assert max(rel(a, b) for a, b in zip(gg, ge)) < 2e-2, length
+    assert sum("cuda_graph_shapes" in str(w.message) for w in caught) == 1
+    for layer in graphed.model.layers:
+        shapes = sorted(key[0][0][0][1] for key in layer.coat.graphs.captures)
+        replays = sorted(c.replays for c in layer.coat.graphs.captures.values())
+        assert shapes == [SEQ // 2, SEQ] and replays == [1, 2], (shapes, replays)
 
 
 def test_copies_of_a_graphed_model_leave_the_graphs_behind():
