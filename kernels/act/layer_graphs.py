@@ -22,6 +22,10 @@ What a replay needs and how it is kept right:
 - The output is the graph's output buffer (a view of it): each replay overwrites it. A call made while the previous
   call's backward is still pending (its autograd graph alive: two forwards before a backward, a forward whose loss is
   never backpropagated and is still referenced) runs eagerly instead, so no live result is overwritten.
+- Graphs sharing a pool may reuse each other's temporary memory, which is safe when they replay in the order they
+  were captured: each input shape's graphs are captured layer by layer in a step of that shape, and replay so. A
+  layer that captures again because its parameters moved would be captured after the layers behind it and replay
+  before them: it captures into a pool of its own from then on.
 - Memory the graphs keep: what the forward saves for backward (kept from capture on, where eager frees it after each
   backward), the input/output/gradient buffers, and the parameter gradient buffers of the backward graph (the size of
   the layer's parameters). Graphs of all layers of a model share one `GraphPool`.
@@ -130,6 +134,7 @@ class GraphedLayer:
     def __post_init__(self):
         self.names = [n for n, p in self.module.named_parameters() if p.requires_grad]
         self.params = [self.module.get_parameter(n) for n in self.names]
+        self.own_pool = None  # this layer's own pool handle, once its parameters have moved
 
     def __call__(self, *inputs):
         capture = self._capture_for(inputs)
@@ -145,19 +150,27 @@ class GraphedLayer:
         capture = self.captures.get(key)
         if capture is not None:
             return capture
-        self._release_stale(key[1])
+        if self._release_stale(key[1]) and self.own_pool is None:
+            self.own_pool = self._new_pool_handle()
         if len(self.captures) >= self.max_shapes:
             self.pool.warn_shape_limit(self.max_shapes, inputs)
             return None
-        capture = self.captures[key] = self._capture(inputs)
+        capture = self.captures[key] = self._capture(inputs, self.own_pool or self.pool.handle)
         return capture
 
-    def _release_stale(self, param_ptrs):
-        """Drop the captures made for parameter addresses other than the current ones (they can never replay); a
-        replay whose backward is pending keeps its capture alive through its autograd node until then."""
-        for key in [k for k in self.captures if k[1] != param_ptrs]:
+    def _release_stale(self, param_ptrs) -> bool:
+        """Drop the captures made for parameter addresses other than the current ones (they can never replay; a
+        replay whose backward is pending keeps its capture alive through its autograd node until then). Returns
+        whether there were any."""
+        stale_keys = [k for k in self.captures if k[1] != param_ptrs]
+        for key in stale_keys:
             stale = self.captures.pop(key)
             self.pool.outputs.pop(stale.output.data_ptr(), None)
+        return bool(stale_keys)
+
+    @staticmethod
+    def _new_pool_handle():
+        return torch.cuda.graph_pool_handle()
 
     def _signature(self, inputs):
         return (tuple(None if t is None else (tuple(t.shape), t.dtype, t.requires_grad, t.device) for t in inputs),
@@ -171,7 +184,7 @@ class GraphedLayer:
             return shared.detach().requires_grad_(t.requires_grad)  # a leaf on the other graph's output buffer
         return t.detach().clone().requires_grad_(t.requires_grad)
 
-    def _capture(self, inputs) -> _Capture:
+    def _capture(self, inputs, pool_handle) -> _Capture:
         static = [self._static_input(t) for t in inputs]
         aliases = [torch.nn.Parameter(p.detach(), requires_grad=True) for p in self.params]
         surface = [t for t in static if t is not None and t.requires_grad] + aliases
@@ -190,10 +203,10 @@ class GraphedLayer:
                     del out
             torch.cuda.current_stream().wait_stream(side)
             forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(forward, pool=self.pool.handle):
+            with torch.cuda.graph(forward, pool=pool_handle):
                 output = self.fn(*static)
             grad_output = torch.empty_like(output)
-            with torch.cuda.graph(backward, pool=self.pool.handle):
+            with torch.cuda.graph(backward, pool=pool_handle):
                 grads = torch.autograd.grad(output, surface, grad_output, allow_unused=True, retain_graph=True)
         if any(g is None for g in grads):
             unused = [i for i, g in enumerate(grads) if g is None]

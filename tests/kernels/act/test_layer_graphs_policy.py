@@ -17,11 +17,13 @@ def fake_captures(monkeypatch):
     """Replace the CUDA capture by a record of what would have been captured."""
     made = []
 
-    def capture(self, inputs):
+    def capture(self, inputs, pool_handle):
         made.append(tuple(tuple(t.shape) for t in inputs))
-        return SimpleNamespace(output=torch.empty(1), pending=None)
+        return SimpleNamespace(output=torch.empty(1), pending=None, pool_handle=pool_handle)
 
     monkeypatch.setattr(GraphedLayer, "_capture", capture)
+    monkeypatch.setattr(GraphPool, "handle", "shared pool")
+    monkeypatch.setattr(GraphedLayer, "_new_pool_handle", staticmethod(lambda: "own pool"))
     return made
 
 
@@ -45,17 +47,21 @@ def test_shapes_beyond_the_limit_run_eagerly_and_warn_once_per_model(monkeypatch
     assert len(messages) == 1 and "[(1, 24, 4)]" in messages[0] and "2 it keeps" in messages[0], messages
 
 
-def test_moved_parameters_release_the_old_captures(monkeypatch):
+def test_moved_parameters_release_the_old_captures_and_capture_into_a_pool_of_their_own(monkeypatch):
+    """A layer capturing again after its parameters moved comes after the layers behind it in the shared pool but
+    replays before them: its graphs go to a pool of its own, so they cannot reuse those layers' temporary memory."""
     made = fake_captures(monkeypatch)
-    module, layer = graphed(max_shapes=1)
+    module, layer = graphed(max_shapes=2)
     x = torch.zeros(2, 4)
     old = layer._capture_for([x])
+    assert old.pool_handle == "shared pool"
     layer.pool.outputs[old.output.data_ptr()] = old.output
     with torch.no_grad():
         module.weight.data = module.weight.data.clone()  # a new storage: the old graphs can never replay
     new = layer._capture_for([x])
     assert new is not None and new is not old and len(made) == 2
     assert list(layer.captures.values()) == [new] and old.output.data_ptr() not in layer.pool.outputs
+    assert new.pool_handle == "own pool" and layer._capture_for([torch.zeros(3, 4)]).pool_handle == "own pool"
 
 
 def test_the_limit_is_a_validated_option_of_the_config_and_the_ds_config_section():
