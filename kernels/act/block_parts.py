@@ -1,6 +1,7 @@
-"""What the FP8 blocks (`functional`, `fused_mlp`) share: the per-call environment resolved from a config and a
-runtime, the FP8 weight operands (from a WeightCache or quantized now) and what backward keeps of them, the GEMM
-backward, and the norm forward/backward around the FP8 copy of the norm input."""
+"""What the FP8 blocks (`functional`, `fused_mlp`, and their custom ops in `compiled_ops`) share: the per-call
+environment resolved from a config and a runtime, the FP8 weight operands (from a WeightCache or quantized now) and
+what backward keeps of them, the GEMM backward, the norm forward/backward around the FP8 copy of the norm input, and
+the SwiGLU MLP's backward from fc2 down to the norm output."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -9,6 +10,7 @@ import torch
 
 from ..formats import E4M3, E5M2
 from . import norm as norm_ops
+from . import swiglu
 from .config import ActivationConfig
 from .gemm import fp8_gemm
 from .handoff import GradientAmaxHandoff
@@ -151,3 +153,56 @@ def norm_input_grad(ctx, q, e, mean, rstd, norm_weight, norm_bias, dy_norm, dres
     if hand_off:
         env.handoff.give(dx, out[3])
     return dx, dnw.to(norm_weight.dtype), (dnb.to(norm_bias.dtype) if dnb is not None else None)
+
+
+def swiglu_mlp_backward(dout, q, e, mean, rstd, norm_weight, norm_bias, y_scale, w1_scale, qa, ea, p_scale, w2_scale,
+                        fc1_t, fc2_t, *, zero_centered, use_triton, tickets, dout_amax, out_dtype, w1_dtype, w2_dtype,
+                        b1_dtype, b2_dtype, need_dx, need_dw1, need_db1, need_dw2):
+    """Backward of norm -> fc1 -> SwiGLU -> fc2 from fc2's output gradient dout down to the norm's output:
+    (d norm output [M, H] | None, dW1 (whole) | None, d b1 | None, dW2 | None, d b2 | None). fc1_t() / fc2_t(): the
+    transposed E4M3 weights (dgrad operands); b1_dtype: fc1's bias dtype (None without one); b2_dtype: fc2's when its
+    gradient is asked for; dout_amax: dout's amax when the kernel producing it gave one. Without an fc1 bias,
+    d[gate | up] goes straight to E5M2: a pass computing its partial amaxes (and, from the same loads, the product's
+    transposed E4M3 copy for fc2's wgrad), then `swiglu_backward_cast` writing fc1's dgrad and wgrad operands."""
+    tri = use_triton
+    need_db1 = need_db1 and b1_dtype is not None
+    need_da = need_dx or need_dw1 or need_db1  # anything below fc2 (fc1 weight/bias, norm, input)
+    dyn = dw1 = db1 = dw2 = db2 = dp = p8_t = amax_da = None
+    dy2 = dout.reshape(-1, dout.shape[-1])
+    dy8, dy8_t, dy_scale = quantize_tensor(dy2, E5M2, tri, write_row=need_da, write_t=need_dw2, amax=dout_amax,
+                                           tickets=tickets)
+    if b2_dtype is not None:
+        db2 = dy2.float().sum(0).to(b2_dtype)
+    if need_da:  # fc2's dgrad first: the SwiGLU backward's amax pass then also writes fc2's wgrad operand p8_t
+        dp = fp8_gemm(dy8, fc2_t(), dy_scale, w2_scale, out_dtype)
+        del dy8
+        if b1_dtype is None:  # d[gate | up] straight to E5M2 (a BF16 copy only if fc1 has a bias)
+            amax_da, p8_t = swiglu.swiglu_backward_amax(qa, ea, dp, tri, product_scale=p_scale if need_dw2 else None,
+                                                        tickets=tickets)
+    if need_dw2:
+        if p8_t is None:
+            p8_t = swiglu.swiglu_cast(qa, ea, p_scale, tri, write_row=False, write_t=True)[1]
+        dw2 = fp8_gemm(dy8_t, p8_t, dy_scale, p_scale, w2_dtype)
+        del p8_t
+    del dy8_t
+    if not need_da:
+        return dyn, dw1, db1, dw2, db2
+    if b1_dtype is not None:
+        da, amax_da = swiglu.swiglu_backward(qa, ea, dp, tri, tickets=tickets)
+        if need_db1:
+            db1 = da.float().sum(0).to(b1_dtype)
+        da8, da8_t, da_scale = quantize_tensor(da, E5M2, tri, write_row=need_dx, write_t=need_dw1, amax=amax_da,
+                                               tickets=tickets)
+        del da
+    else:
+        da_scale = finalize_scale(amax_da, E5M2, tri)
+        da8, da8_t = swiglu.swiglu_backward_cast(qa, ea, dp, da_scale, tri, write_row=need_dx, write_t=need_dw1)
+    del dp
+    if need_dw1:
+        y8_t = norm_ops.norm_cast(q, e, mean, rstd, norm_weight, norm_bias, y_scale, tri, zero_centered=zero_centered,
+                                  write_row=False, write_t=True)[1]
+        dw1 = fp8_gemm(da8_t, y8_t, da_scale, y_scale, w1_dtype)
+        del y8_t, da8_t
+    if need_dx:
+        dyn = fp8_gemm(da8, fc1_t(), da_scale, w1_scale, out_dtype)
+    return dyn, dw1, db1, dw2, db2

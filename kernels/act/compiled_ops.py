@@ -28,7 +28,7 @@ from torch import Tensor
 from ..formats import E4M3, E5M2
 from . import norm as norm_ops
 from . import pointwise, swiglu
-from .block_parts import DEFAULT_CONFIG, BlockEnv, norm_to_fp8, output_dtype, weight_rows
+from .block_parts import DEFAULT_CONFIG, BlockEnv, norm_to_fp8, output_dtype, swiglu_mlp_backward, weight_rows
 from .gemm import check_gemm_dims, fp8_gemm
 from .group_quant import SCALE_DTYPE
 from .rope import QKVLayout, _launch as rope_launch, rope_reference
@@ -448,47 +448,16 @@ def _norm_mlp_backward(dout: Tensor, dres: Optional[Tensor], q: Tensor, e: Tenso
     """-> (dx [M, H] (+ dres), d norm weight, d norm bias, dW1, d b1, dW2, d b2), each absent when not asked for
     (b1_dtype: fc1's bias dtype, None without one; b2_dtype: fc2's when its gradient is asked for); the same passes
     as fused_mlp's backward (d[gate | up] straight to E5M2 when fc1 has no bias)."""
-    tri = use_triton
-    need_db1 = need_db1 and b1_dtype is not None
-    need_da = need_dx or need_dw1 or need_db1
     dx, dnw, dnb, dw1, db1, dw2, db2 = _absents(dout, 7)
-    dy2 = dout.reshape(-1, w2.shape[0])
-    dy8, dy8_t, dy_scale = quantize_tensor(dy2, E5M2, tri, write_row=need_da, write_t=need_dw2)
-    p8_t = amax_da = dp = None
-    if b2_dtype is not None:
-        db2 = dy2.float().sum(0).to(b2_dtype)
-    if need_da:  # fc2's dgrad first: the SwiGLU backward's amax pass then also writes fc2's wgrad operand p8_t
-        dp = fp8_gemm(dy8, _weight_t([w2], w2_scale, tri), dy_scale, w2_scale, dout.dtype)
-        del dy8
-        if b1_dtype is None:  # d[gate | up] straight to E5M2 (a BF16 copy only if fc1 has a bias)
-            amax_da, p8_t = swiglu.swiglu_backward_amax(qa, ea, dp, tri, product_scale=p_scale if need_dw2 else None)
-    if need_dw2:
-        if p8_t is None:
-            p8_t = swiglu.swiglu_cast(qa, ea, p_scale, tri, write_row=False, write_t=True)[1]
-        dw2 = fp8_gemm(dy8_t, p8_t, dy_scale, p_scale, w2.dtype)
-        del p8_t
-    del dy8_t
-    if not need_da:
-        return dx, dnw, dnb, dw1, db1, dw2, db2
-    if b1_dtype is not None:
-        da, amax_da = swiglu.swiglu_backward(qa, ea, dp, tri)
-        if need_db1:
-            db1 = da.float().sum(0).to(b1_dtype)
-        da8, da8_t, da_scale = quantize_tensor(da, E5M2, tri, write_row=need_dx, write_t=need_dw1, amax=amax_da)
-        del da
-    else:
-        da_scale = finalize_scale(amax_da, E5M2, tri)
-        da8, da8_t = swiglu.swiglu_backward_cast(qa, ea, dp, da_scale, tri, write_row=need_dx, write_t=need_dw1)
-    del dp
-    if need_dw1:
-        y8_t = norm_ops.norm_cast(q, e, mean, rstd, norm_weight, norm_bias, y_scale, tri,
-                                  zero_centered=zero_centered, write_row=False, write_t=True)[1]
-        dw1 = fp8_gemm(da8_t, y8_t, da_scale, y_scale, w1[0].dtype)
-        del y8_t, da8_t
+    dyn, *grads = swiglu_mlp_backward(
+        dout, q, e, mean, rstd, norm_weight, norm_bias, y_scale, w1_scale, qa, ea, p_scale, w2_scale,
+        lambda: _weight_t(w1, w1_scale, use_triton), lambda: _weight_t([w2], w2_scale, use_triton),
+        zero_centered=zero_centered, use_triton=use_triton, tickets=None, dout_amax=None, out_dtype=dout.dtype,
+        w1_dtype=w1[0].dtype, w2_dtype=w2.dtype, b1_dtype=b1_dtype, b2_dtype=b2_dtype, need_dx=need_dx,
+        need_dw1=need_dw1, need_db1=need_db1, need_dw2=need_dw2)
+    dw1, db1, dw2, db2 = (g if g is not None else absent for g, absent in zip(grads, (dw1, db1, dw2, db2)))
     if need_dx:
-        dyn = fp8_gemm(da8, _weight_t(w1, w1_scale, tri), da_scale, w1_scale, dout.dtype)
-        del da8
-        dx, dnw, dnb = _norm_grads(q, e, mean, rstd, norm_weight, norm_bias, dyn, dres, zero_centered, tri)
+        dx, dnw, dnb = _norm_grads(q, e, mean, rstd, norm_weight, norm_bias, dyn, dres, zero_centered, use_triton)
     return dx, dnw, dnb, dw1, db1, dw2, db2
 
 

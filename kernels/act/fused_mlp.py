@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import E4M3, E5M2
+from ..formats import E4M3
 from . import compiled_ops
-from . import norm as norm_ops
 from . import swiglu
 from .config import ActivationConfig
 from .block_parts import (block_env, gradient_amax, keep_two_weights, norm_input_grad, norm_to_fp8, output_dtype,
-                          usable_cache, weight_rows, weight_transposed)
+                          swiglu_mlp_backward, usable_cache, weight_rows, weight_transposed)
 from .gemm import check_gemm_dims, fp8_gemm
 from .runtime import CoatRuntime
 from .scaling import finalize_scale
-from .tensor_quant import quantize_tensor
 from .weights import WeightCache, WeightPieces, as_pieces
 
 
@@ -66,53 +64,18 @@ class _Fp8NormMLP(torch.autograd.Function):
         env, tri = ctx.env, ctx.env.use_triton
         need = ctx.needs_input_grad
         need_dx = any(need[:4])
-        need_dw1, need_db1, need_dw2, need_db2 = any(need[13:]), need[4], need[5], need[6]
-        need_da = need_dx or need_dw1 or need_db1  # anything below fc2 (fc1 weight/bias, norm, input)
-        # fc2
-        dy2 = dout.reshape(-1, fc2_like.shape[0])
-        dy8, dy8_t, dy_scale = quantize_tensor(dy2, E5M2, tri, write_row=need_da, write_t=need_dw2,
-                                               amax=gradient_amax(env, dout), tickets=env.tickets)
-        dw2 = db2 = dp = p8_t = amax_da = None
-        dw1 = (None,) * len(fc1_like.rows)
-        if need_db2 and ctx.b2_dtype is not None:
-            db2 = dy2.float().sum(0).to(ctx.b2_dtype)
-        dx = dres = dnw = dnb = db1 = None
-        if need_da:  # fc2's dgrad first: the SwiGLU backward's amax pass then also writes fc2's wgrad operand p8_t
-            w2_t = weight_transposed(ctx.cache2, fc2_like, fc2, w2_scale, tri)
-            dp = fp8_gemm(dy8, w2_t, dy_scale, w2_scale, ctx.out_dtype)
-            del dy8, w2_t
-            if ctx.b1_dtype is None:  # d[gate | up] straight to E5M2 (a BF16 copy only if fc1 has a bias)
-                amax_da, p8_t = swiglu.swiglu_backward_amax(qa, ea, dp, tri,
-                                                            product_scale=p_scale if need_dw2 else None,
-                                                            tickets=env.tickets)
-        if need_dw2:
-            if p8_t is None:
-                p8_t = swiglu.swiglu_cast(qa, ea, p_scale, tri, write_row=False, write_t=True)[1]
-            dw2 = fp8_gemm(dy8_t, p8_t, dy_scale, p_scale, fc2_like.dtype)
-            del p8_t
-        del dy8_t
-        if not need_da:
-            return (dx, dres, dnw, dnb, db1, dw2, db2) + (None,) * 6 + dw1
-        if ctx.b1_dtype is not None:
-            da, amax_da = swiglu.swiglu_backward(qa, ea, dp, tri, tickets=env.tickets)
-            if need_db1:
-                db1 = da.float().sum(0).to(ctx.b1_dtype)
-            da8, da8_t, da_scale = quantize_tensor(da, E5M2, tri, write_row=need_dx, write_t=need_dw1, amax=amax_da,
-                                                   tickets=env.tickets)
-            del da
-        else:
-            da_scale = finalize_scale(amax_da, E5M2, tri)
-            da8, da8_t = swiglu.swiglu_backward_cast(qa, ea, dp, da_scale, tri, write_row=need_dx, write_t=need_dw1)
-        del dp
-        if need_dw1:
-            y8_t = norm_ops.norm_cast(q, e, mean, rstd, norm_weight, norm_bias, y_scale, tri,
-                                      zero_centered=ctx.zero_centered, write_row=False, write_t=True)[1]
-            dw1 = fc1_like.split(fp8_gemm(da8_t, y8_t, da_scale, y_scale, fc1_like.dtype))
-            del y8_t, da8_t
-        if need_dx:
-            w1_t = weight_transposed(ctx.cache1, fc1_like, fc1, w1_scale, tri)
-            dyn = fp8_gemm(da8, w1_t, da_scale, w1_scale, ctx.out_dtype)
-            del da8, w1_t
+        need_dw1 = any(need[13:])
+        dyn, dw1, db1, dw2, db2 = swiglu_mlp_backward(
+            dout, q, e, mean, rstd, norm_weight, norm_bias, y_scale, w1_scale, qa, ea, p_scale, w2_scale,
+            lambda: weight_transposed(ctx.cache1, fc1_like, fc1, w1_scale, tri),
+            lambda: weight_transposed(ctx.cache2, fc2_like, fc2, w2_scale, tri),
+            zero_centered=ctx.zero_centered, use_triton=tri, tickets=env.tickets, dout_amax=gradient_amax(env, dout),
+            out_dtype=ctx.out_dtype, w1_dtype=fc1_like.dtype, w2_dtype=fc2_like.dtype, b1_dtype=ctx.b1_dtype,
+            b2_dtype=ctx.b2_dtype if need[6] else None, need_dx=need_dx, need_dw1=need_dw1, need_db1=need[4],
+            need_dw2=need[5])
+        dw1 = fc1_like.split(dw1) if dw1 is not None else (None,) * len(fc1_like.rows)
+        dx = dres = dnw = dnb = None
+        if dyn is not None:
             dres_in = dh.reshape(q.shape) if (ctx.has_residual and dh is not None) else None
             dx, dnw, dnb = norm_input_grad(ctx, q, e, mean, rstd, norm_weight, norm_bias, dyn, dres_in)
             dres = dx if ctx.has_residual else None
