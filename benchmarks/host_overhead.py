@@ -5,7 +5,9 @@ first short kernels, so host time there is step time. This script measures, with
 `torch.cuda._sleep` (so the host never waits on it):
 - host ms per forward / backward;
 - when each launch (Triton kernel, FP8 GEMM, flash attention) leaves the host in one step, relative to its start;
-- per-call host costs of the pieces (torch.empty, a Triton launch, torch._scaled_mm, an empty autograd Function).
+- per-call host costs of the pieces (torch.empty, a Triton launch, torch._scaled_mm, an empty autograd Function),
+  and of the same Triton kernel launched without `JITFunction.run`: through the compiled kernel's launcher with the
+  specialisation looked up once (what a launcher bound per call site and shape would cost at the least).
 
     python benchmarks/host_overhead.py
 """
@@ -175,6 +177,27 @@ def per_call_us(fn, n=1000):
     return us
 
 
+def bound_launches(jit_fn, grid, args, kwargs):
+    """Two zero-argument launches of jit_fn[grid](*args, **kwargs) that skip JITFunction.run: (through the compiled
+    kernel's CudaLauncher, through the C launch function itself), the kernel and stream looked up once."""
+    kernel = jit_fn[grid](*args, **kwargs)  # JITFunction.run returns the compiled kernel it launched
+    kernel._init_handles()
+    stream = torch.cuda.current_stream().cuda_stream
+    names = list(jit_fn.arg_names)
+    values = [kwargs.get(n, args[i] if i < len(args) else None) for i, n in enumerate(names)]
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    launcher = kernel.run
+
+    def through_launcher():
+        launcher(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *values)
+
+    def through_c():
+        launcher.launch(g[0], g[1], g[2], stream, kernel.function, launcher.launch_cooperative_grid,
+                        launcher.launch_pdl, None, None, kernel.packed_metadata, None, None, None, *values)
+
+    return through_launcher, through_c
+
+
 def piece_costs(dev):
     a = torch.randn(8192, 4096, device=dev, dtype=torch.bfloat16)
     w = torch.randn(12288, 4096, device=dev, dtype=torch.bfloat16)
@@ -196,6 +219,7 @@ def piece_costs(dev):
     cast_args = (a, scale, q, None, 8192, 4096, 8192)
     cast_kw = dict(WRITE_ROW=True, WRITE_T=False, E5M2_OUT=False, BM=TQ.CAST_BM, BN=TQ.CAST_BN, num_warps=TQ.CAST_WARPS)
     tickets = scaling.ScaleTickets()
+    via_launcher, via_c = bound_launches(TQ._cast_kernel, grid, cast_args, cast_kw)
     costs = {
         "torch.empty [8192,4096] fp8": lambda: torch.empty(8192, 4096, device=dev, dtype=torch.float8_e4m3fn),
         "cast (allocation + launch)": lambda: TQ.cast(a, scale, "e4m3", True),
@@ -203,15 +227,23 @@ def piece_costs(dev):
             a8, w8.t(), scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16),
         "empty autograd Function": lambda: Noop.apply(leaf),
         "cast kernel launch only": lambda: TQ._cast_kernel[grid](*cast_args, **cast_kw),
+        "cast kernel, compiled kernel's launcher": via_launcher,
+        "cast kernel, C launch function": via_c,
         "stage-2 ticket arguments": lambda: scaling.stage_two_args(scale.reshape(1), "e4m3", tickets),
     }
     return {k: per_call_us(f, n=200) for k, f in costs.items()}
 
 
 def main():
-    argparse.ArgumentParser(description=__doc__).parse_args()
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--pieces", action="store_true", help="only the per-call costs of the pieces")
+    args = p.parse_args()
     dev = "cuda"
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    if args.pieces:
+        for k, v in piece_costs(dev).items():
+            print(f"  host us per call: {k:45s} {v:7.1f}")
+        return
     _, layer = lc.make_layers(dev, 4, 2048, 4096, 11008, 32)
     coat = lc.coat_layer(layer)
     params = list(coat.parameters())
