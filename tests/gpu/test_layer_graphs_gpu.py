@@ -1,7 +1,7 @@
 """Per-layer CUDA graphs of converted Hugging Face decoder layers (ActivationConfig(cuda_graphs=True)): a replayed layer
 gives the eager layer's bits; training steps replay the graphs and give the eager model's losses and gradients; two
-forwards before a backward, a moved parameter, saved-tensor hooks, activation checkpointing and evaluation fall back
-or recapture as documented."""
+forwards before a backward, a moved parameter, saved-tensor hooks, activation checkpointing, evaluation and input
+shapes beyond cuda_graph_shapes fall back or recapture as documented."""
 import copy
 
 import pytest
