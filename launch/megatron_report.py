@@ -5,8 +5,10 @@
 
 Speed: the mean of the logged ms/iteration (each the mean of its log interval) over the intervals ending after
 iteration --skip (default: 10, past warm-up and CUDA-graph capture); tokens/s = micro-batch x sequence x
-data-parallel ranks / that time. Memory: the peak allocated on rank 0. "x TE BF16": tokens/s over te_bf16_tp1's at the
-same micro-batch; "best": each arm's fastest run over the micro-batches it ran, against te_bf16_tp1's fastest.
+data-parallel ranks / that time. Memory: the peak allocated on rank 0. "x TE BF16": tokens/s over those of the TE BF16
+arm of the same layout (the arm name's tail: tp1, tp2_sp, dp2; te_bf16_tp2_sp for coat_tp2_sp) at the same
+micro-batch; "x TE BF16 TP=1": over te_bf16_tp1's (one GPU), for the arms of other layouts; "best": each arm's fastest
+run over the micro-batches it ran, against the fastest of the TE BF16 arm of its layout.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ PEAK = re.compile(r"\[coat_megatron\] rank 0 peak memory allocated: ([\d.]+) GiB
 HELD = re.compile(r"\[coat_megatron\] rank 0 memory allocated after training: ([\d.]+) GiB of ([\d.]+) GiB")
 STATE = re.compile(r"\[coat_megatron\] rank 0 optimizer state: (\S+) ([\d.]+) MiB .*\(([\d.]+) B/element\)")
 BASELINE = "te_bf16_tp1"
+LAYOUT = re.compile(r"_((?:tp\d+(?:_sp)?)|(?:dp\d+))$")
 MEMORY_BUDGET = 0.88  # of the card, for the largest micro-batch: allocator fragmentation and transient buffers
 
 
@@ -59,6 +62,12 @@ def parse_log(path: str) -> dict:
     return run
 
 
+def baseline_of(arm: str) -> str:
+    """The TE BF16 arm of this arm's layout (te_bf16_tp1 for a name without a layout tail)."""
+    m = LAYOUT.search(arm)
+    return f"te_bf16_{m.group(1)}" if m else BASELINE
+
+
 def speed(run: dict, skip: int) -> None:
     times = [ms for it, ms, _ in run["points"] if it > skip]
     if times and run["micro"] and run["seq"]:
@@ -84,27 +93,35 @@ def report(out: str, skip: int) -> dict:
     for run in runs:
         speed(run, skip)
     ok = [r for r in runs if r.get("tokens_per_s") and r["finished"]]
-    base = {r["micro"]: r["tokens_per_s"] for r in ok if r["arm"] == BASELINE}
+    speeds = {(r["arm"], r["micro"]): r["tokens_per_s"] for r in ok}
     best = {}
     for r in ok:
         if r["tokens_per_s"] > best.get(r["arm"], {}).get("tokens_per_s", 0):
             best[r["arm"]] = r
-    base_best = best.get(BASELINE, {}).get("tokens_per_s")
-    lines = ["| arm | micro-batch | ms/iteration | tokens/s | x TE BF16 (same micro-batch) | peak GiB | "
-             "optimizer state (B/element) | last loss |", "|---|---|---|---|---|---|---|---|"]
+
+    def ratio(tokens_per_s, reference):
+        return f"{tokens_per_s / reference:.2f}x" if reference else ""
+
+    lines = ["| arm | micro-batch | ms/iteration | tokens/s | x TE BF16 (same layout and micro-batch) | "
+             "x TE BF16 TP=1 | peak GiB | optimizer state (B/element) | last loss |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(runs, key=lambda r: (r["arm"], r["micro"] or 0)):
         if not r.get("tokens_per_s") or not r["finished"]:
             lines.append(f"| {r['arm']} | {r['micro']} | {'out of memory' if r['oom'] else 'did not finish'} "
-                         f"| | | | | |")
+                         f"| | | | | | |")
             continue
-        ratio = f"{r['tokens_per_s'] / base[r['micro']]:.2f}x" if r["micro"] in base else ""
+        same = ratio(r["tokens_per_s"], speeds.get((baseline_of(r["arm"]), r["micro"])))
+        one_gpu = "" if baseline_of(r["arm"]) == BASELINE else ratio(r["tokens_per_s"],
+                                                                     speeds.get((BASELINE, r["micro"])))
         state = f"{r.get('optimizer', '')} ({r.get('state_bytes_per_element', 0):.2f})"
-        lines.append(f"| {r['arm']} | {r['micro']} | {r['ms_per_iteration']:.1f} | {r['tokens_per_s']:,.0f} | {ratio} "
-                     f"| {r.get('peak_gib', float('nan')):.2f} | {state} | {r['final_loss']:.4f} |")
-    lines += ["", "| arm | best micro-batch | tokens/s | x TE BF16's best | peak GiB |", "|---|---|---|---|---|"]
+        lines.append(f"| {r['arm']} | {r['micro']} | {r['ms_per_iteration']:.1f} | {r['tokens_per_s']:,.0f} | {same} "
+                     f"| {one_gpu} | {r.get('peak_gib', float('nan')):.2f} | {state} | {r['final_loss']:.4f} |")
+    lines += ["", "| arm | best micro-batch | tokens/s | x TE BF16's best (same layout) | peak GiB |",
+              "|---|---|---|---|---|"]
     for arm, r in sorted(best.items()):
-        ratio = f"{r['tokens_per_s'] / base_best:.2f}x" if base_best else ""
-        lines.append(f"| {arm} | {r['micro']} | {r['tokens_per_s']:,.0f} | {ratio} | {r.get('peak_gib', 0):.2f} |")
+        reference = best.get(baseline_of(arm), {}).get("tokens_per_s")
+        lines.append(f"| {arm} | {r['micro']} | {r['tokens_per_s']:,.0f} | {ratio(r['tokens_per_s'], reference)} | "
+                     f"{r.get('peak_gib', 0):.2f} |")
     table = "\n".join(lines)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(table + "\n")

@@ -38,11 +38,25 @@ def test_tables_ratios_and_best_batch(tmp_path):
     assert runs[("coat_tp1", 4)]["tokens_per_s"] == pytest.approx(4 * 2048 / 0.1)  # warm-up intervals left out
     assert runs[("coat_tp1", 4)]["final_loss"] == pytest.approx(4.1)
     table = (tmp_path / "results.md").read_text()
-    assert "| coat_tp1 | 4 | 100.0 | 81,920 | 2.00x |" in table
+    assert "| coat_tp1 | 4 | 100.0 | 81,920 | 2.00x |  |" in table
     assert "| local_bf16_tp1 | 4 | did not finish |" in table
     # best: coat at 24 (122,880 tokens/s) over TE BF16 at 12 (49,152 tokens/s)
     assert "| coat_tp1 | 24 | 122,880 | 2.50x | 40.00 |" in table
     assert json.loads((tmp_path / "results.json").read_text())["skip"] == 10
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def test_two_gpu_arms_are_compared_with_te_bf16_of_their_layout_and_of_one_gpu(tmp_path):
+    write_log(tmp_path / "te_bf16_tp1_mb4.log", 4, 200.0, [9, 8, 7, 6, 5, 4])
+    write_log(tmp_path / "te_bf16_tp2_sp_mb4.log", 4, 125.0, [9, 8, 7, 6, 5, 4])
+    write_log(tmp_path / "coat_tp2_sp_mb4.log", 4, 100.0, [9, 8, 7, 6, 5, 4])
+    write_log(tmp_path / "coat_dp2_mb4.log", 4, 100.0, [9, 8, 7, 6, 5, 4])  # no TE BF16 at DP=2 ran
+    R.report(str(tmp_path), skip=10)
+    table = (tmp_path / "results.md").read_text()
+    assert "| coat_tp2_sp | 4 | 100.0 | 81,920 | 1.25x | 2.00x |" in table
+    assert "| coat_dp2 | 4 | 100.0 | 81,920 |  | 2.00x |" in table
+    assert "| te_bf16_tp2_sp | 4 | 125.0 | 65,536 | 1.00x | 1.60x |" in table
+    assert "| coat_tp2_sp | 4 | 81,920 | 1.25x |" in table and "| coat_dp2 | 4 | 81,920 |  |" in table
     assert (tmp_path / "loss.png").stat().st_size > 1000
 
 
