@@ -23,7 +23,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import layer_common as lc  # noqa: E402
-from host_overhead import host_times, per_call_us  # noqa: E402
+from host_overhead import bound_launches, host_times, per_call_us  # noqa: E402
 
 from coat_kernels.act import ActivationConfig  # noqa: E402
 
@@ -180,12 +180,16 @@ def piece_costs():
     grid = (triton.cdiv(2048, TQ.CAST_BM), triton.cdiv(2048, TQ.CAST_BN))
     q = torch.empty_like(a8)
     kw = dict(WRITE_ROW=True, WRITE_T=False, E5M2_OUT=False, BM=TQ.CAST_BM, BN=TQ.CAST_BN, num_warps=TQ.CAST_WARPS)
+    cast_args = (a, scale, q, None, 2048, 2048, 2048)
+    via_launcher, via_c = bound_launches(TQ._cast_kernel, grid, cast_args, kw)
     costs = {
         "torch.empty [2048, 2048] fp8": lambda: torch.empty(2048, 2048, device="cuda", dtype=torch.float8_e4m3fn),
         "torch._scaled_mm [2048,2048]x[2048,5632]": lambda: torch._scaled_mm(
             a8, w8.t(), scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16),
         "torch.matmul bf16 [2048,2048]x[2048,5632]": lambda: a @ w.t(),
-        "cast kernel launch": lambda: TQ._cast_kernel[grid](a, scale, q, None, 2048, 2048, 2048, **kw),
+        "cast kernel launch": lambda: TQ._cast_kernel[grid](*cast_args, **kw),
+        "cast kernel, compiled kernel's launcher": via_launcher,
+        "cast kernel, C launch function": via_c,
         "TQ.cast (allocation + launch)": lambda: TQ.cast(a, scale, "e4m3", True),
     }
     out = {k: per_call_us(f, n=300) for k, f in costs.items()}
