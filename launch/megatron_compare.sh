@@ -15,15 +15,15 @@
 #   coat_torchadam_tp1     `coat` layers, Megatron's Adam
 #   local_coatadam_tp1     `local` BF16 spec + COAT FP8 optimizer
 #   coat_teattn_tp1        coat_tp1 with TE's attention core (--coat-attention te)               needs TE
-#   coat_tp2_sp            coat_tp1 at TP=2 + sequence parallelism                                2 GPUs
-#   te_bf16_tp2_sp, te_fp8_delayed_tp2_sp   the TE arms at TP=2 + sequence parallelism           2 GPUs, TE
-#   coat_dp2, te_bf16_dp2, te_fp8_delayed_dp2   data parallel on 2 GPUs (distributed optimizer); the global batch
-#                          is 2 x the micro-batch                                                2 GPUs
+#   X_tpN_sp               arm X_tp1 at TP=N + sequence parallelism, e.g. coat_tp2_sp, te_bf16_tp4_sp   N GPUs
+#   X_dpN                  arm X_tp1 data parallel on N GPUs (distributed optimizer), e.g. coat_dp2,
+#                          te_fp8_delayed_dp8; the global batch is N x the micro-batch           N GPUs
 # MICROS: the micro-batch sizes to run (global batch = micro-batch, one micro-batch per step). "max": the largest
 # that fits, predicted from the same arm's run at the first size (its peak and its memory between iterations, linear
 # in the micro-batch), tried, and lowered (by 1/8; by 1 below 16) while it runs out of memory; "max:N": the same
 # search from N. ITERS iterations at fixed sizes, MAX_ITERS (default 30) at "max". 1-GPU arms run NGPUS at a time
-# (one per GPU); 2-GPU arms alone, skipped on one GPU.
+# (one per GPU); N-GPU arms alone, skipped where fewer than N GPUs are visible. DRY_RUN=1: print each run's command
+# instead of running it.
 # MODEL=gpt370m (default): 24 layers, hidden 1024, 16 heads, SwiGLU FFN 2816, seq 1024; gpt1b: 16 layers, hidden
 # 2048, 16 heads, FFN 5632 (~0.95B parameters), seq 1024; gpt7b8l: Llama-2-7B's layer shape (hidden 4096, 32 heads,
 # FFN 11008) cut to 8 layers, seq 2048. All: RMSNorm, RoPE, untied embeddings, distributed optimizer, no activation
@@ -74,7 +74,10 @@ ARMS=${ARMS:-$DEFAULT_ARMS}
 COMMON+=(${EXTRA_ARGS:-})  # e.g. EXTRA_ARGS="--profile --use-pytorch-profiler --profile-step-start 30 ..."
 
 GRAPH="--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad"
-TP2="--tensor-model-parallel-size 2 --sequence-parallel"
+arm_gpus() {  # the GPUs an arm runs on: N for X_tpN_sp and X_dpN, else 1
+  if [[ $1 =~ _tp([0-9]+)_sp$ || $1 =~ _dp([0-9]+)$ ]]; then echo "${BASH_REMATCH[1]}"; else echo 1; fi
+}
+
 arm_args() {
   case $1 in
     te_bf16_tp1) echo "--transformer-impl transformer_engine" ;;
@@ -88,12 +91,12 @@ arm_args() {
     coat_teattn_tp1) echo "--transformer-impl coat --coat-optimizer --coat-attention te" ;;
     coat_torchadam_tp1) echo "--transformer-impl coat" ;;
     local_coatadam_tp1) echo "--transformer-impl local --coat-optimizer" ;;
-    coat_tp2_sp) echo "--transformer-impl coat --coat-optimizer $TP2" ;;
-    te_bf16_tp2_sp) echo "$(arm_args te_bf16_tp1) $TP2" ;;
-    te_fp8_delayed_tp2_sp) echo "$(arm_args te_fp8_delayed_tp1) $TP2" ;;
-    coat_dp2) arm_args coat_tp1 ;;
-    te_bf16_dp2) arm_args te_bf16_tp1 ;;
-    te_fp8_delayed_dp2) arm_args te_fp8_delayed_tp1 ;;
+    *_tp[0-9]*_sp | *_dp[0-9]*)
+      local n base args; n=$(arm_gpus "$1")
+      base=${1%_tp"$n"_sp}; base=${base%_dp"$n"}
+      if [[ $base == "$1" || $n -lt 2 ]]; then echo "unknown arm $1 (N-GPU arms: X_tpN_sp, X_dpN, N >= 2)" >&2; return 1; fi
+      args=$(arm_args "${base}_tp1") || return 1
+      if [[ $1 == *_sp ]]; then echo "$args --tensor-model-parallel-size $n --sequence-parallel"; else echo "$args"; fi ;;
     *) echo "unknown arm $1" >&2; return 1 ;;
   esac
 }
@@ -103,9 +106,10 @@ run() {  # run LOG GPUS NPROC PORT MICRO ITERS ARM: one training run; its exit s
   [[ $arm == *_note_* ]] && module=launch.without_te
   local args; args=$(arm_args "$arm")
   local global=$micro
-  [[ $arm == *_dp2 ]] && global=$((micro * 2))  # one micro-batch per data-parallel rank
+  [[ $arm =~ _dp([0-9]+)$ ]] && global=$((micro * BASH_REMATCH[1]))  # one micro-batch per data-parallel rank
   echo "== $(basename "$log" .log): CUDA_VISIBLE_DEVICES=$gpus torchrun --nproc_per_node $nproc -m $module" \
        "--micro-batch-size $micro --global-batch-size $global --train-iters $iters $args"
+  [[ ${DRY_RUN:-0} == 1 ]] && return 0
   local rc=0
   # shellcheck disable=SC2086
   CUDA_VISIBLE_DEVICES=$gpus python3 -m torch.distributed.run --nproc_per_node "$nproc" --master_port "$port" \
@@ -143,13 +147,14 @@ run_arm() {  # run_arm ARM GPUS NPROC PORT: every size in MICROS
   done
 }
 
+for arm in $ARMS; do arm_args "$arm" > /dev/null; done  # every name checked before the first run
 slot=0
 for arm in $ARMS; do
-  arm_args "$arm" > /dev/null
-  if [[ $arm == *_tp2* || $arm == *_dp2 ]]; then
+  gpus=$(arm_gpus "$arm")
+  if (( gpus > 1 )); then
     wait; slot=0
-    if (( NGPUS < 2 )); then echo "== $arm skipped: needs 2 GPUs, $NGPUS visible"; continue; fi
-    run_arm "$arm" 0,1 2 29511
+    if (( NGPUS < gpus )); then echo "== $arm skipped: needs $gpus GPUs, $NGPUS visible"; continue; fi
+    run_arm "$arm" "$(seq -s, 0 $((gpus - 1)))" "$gpus" 29511
   else
     { run_arm "$arm" "$slot" 1 $((29501 + slot)); python3 -m launch.megatron_report "$OUT" > /dev/null || true; } &
     slot=$((slot + 1))
