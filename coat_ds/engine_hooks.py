@@ -6,7 +6,8 @@ engines run it through `super().__init__`):
   typo) fails with the right name instead of DeepSpeed's "is not a supported DeepSpeed Optimizer";
 - the `"coat"` section (coat_ds.ds_config): with `"fp8_activations": true` the model is converted
   (coat_hf.convert_to_coat) before DeepSpeed wraps and partitions it; a top-level key that looks like a misspelt
-  "coat" ("COAT", "coat_fp8", ...) is an error, since DeepSpeed would ignore it;
+  "coat" ("COAT", "coat_fp8", ...) is an error, since DeepSpeed would ignore it; `"cuda_graphs": true` under ZeRO-3
+  (where the layers run eagerly) is named in a warning;
 - after the engine is built: under ZeRO-1/2 each parameter is linked to its optimizer (DeepSpeed's
   `_create_optimizer_mapping`, which DeepSpeed itself runs only with CPU offload), for
   coat_ds.full_optimizer_state; the converted model's weight-cache clock ticks after every step of the engine's torch
@@ -51,6 +52,10 @@ def convert_for_section(model, ds_config: dict | None, config_class) -> bool:
 
     stage = config_class.zero_optimization_stage if config_class is not None else 0
     accumulation = config_class.gradient_accumulation_steps if config_class is not None else 1
+    if section.cuda_graphs and stage == 3:
+        logger.warning('ds_config "coat": "cuda_graphs": true has no effect under ZeRO-3: its parameters are gathered '
+                       "by module hooks around each layer, which a graph replay would bypass, so the decoder layers "
+                       "run eagerly (graphs apply under ZeRO-0/1/2)")
     convert_to_coat(model, section.activation_config(stage, accumulation or 1), chunked_loss=section.chunked_loss)
     return True
 

@@ -55,3 +55,23 @@ def test_misspelt_section_fails_deepspeed_initialize_with_the_hint():
                           env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "hint", proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_cuda_graphs_under_zero3_are_named_as_having_no_effect(stage, caplog):
+    """Under ZeRO-3 a graph replay would bypass the hooks that gather the parameters, so the layers run eagerly: the
+    engine says so when the section asks for graphs, rather than leaving the user to find out from the speed."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from coat_ds.engine_hooks import convert_for_section
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    config_class = SimpleNamespace(zero_optimization_stage=stage, gradient_accumulation_steps=1)
+    with caplog.at_level("WARNING", logger="coat_ds"):
+        assert convert_for_section(model, {"coat": {"fp8_activations": True, "cuda_graphs": True}}, config_class)
+    named = [r for r in caplog.records if "cuda_graphs" in r.getMessage() and "ZeRO-3" in r.getMessage()]
+    assert len(named) == (1 if stage == 3 else 0)
+    assert model.model.layers[0].coat.config.cuda_graphs
