@@ -18,6 +18,7 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
 import coat_hf
 from coat_hf import ActivationConfig, coat_runtime, convert_to_coat
 from coat_ds.ds_config import parse_section
+from compile_helpers import loss_and_grads
 from rank_helpers import JOBS, free_port
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)
@@ -43,14 +44,6 @@ def batch(seed=1, size=2):
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def loss_and_grads(model, ids):
-    for p in model.parameters():
-        p.grad = None
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.item(), [p.grad.clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
