@@ -149,7 +149,7 @@ def plot(rows, path):
             ax.plot(steps, losses, label=f"{r['arm']} (mb {r['micro_batch']})", linewidth=1)
     ax.set_xlabel("step")
     ax.set_ylabel("train loss")
-    ax.set_title("HF Llama, DeepSpeed ZeRO-2 bf16")
+    ax.set_title("HF Llama under DeepSpeed")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
