@@ -5,9 +5,9 @@ first short kernels, so host time there is step time. This script measures, with
 `torch.cuda._sleep` (so the host never waits on it):
 - host ms per forward / backward;
 - when each launch (Triton kernel, FP8 GEMM, flash attention) leaves the host in one step, relative to its start;
-- per-call host costs of the pieces (torch.empty, a Triton launch, torch._scaled_mm, an empty autograd Function);
-  the Triton launch through `JITFunction.run`, through `BoundKernel` (the path the layers take), and through the
-  compiled kernel's launcher and its C launch function with everything looked up once (the floor).
+- per-call host costs of the pieces (torch.empty, a Triton launch, torch._scaled_mm, an empty autograd Function),
+  and of the same Triton kernel launched without `JITFunction.run`: through the compiled kernel's launcher with the
+  specialisation looked up once (what a launcher bound per call site and shape would cost at the least).
 
     python benchmarks/host_overhead.py
 """
@@ -30,7 +30,6 @@ from coat_hf import decoder  # noqa: E402
 from coat_hf.families import llama  # noqa: E402
 from coat_kernels.act import functional, fused_mlp, gemm, norm, rope, scaling, swiglu  # noqa: E402
 from coat_kernels.act import tensor_quant as TQ  # noqa: E402
-from coat_kernels.triton_launch import BoundKernel  # noqa: E402
 
 BUSY_CYCLES = 400_000_000  # ~0.2 s of GPU sleep: longer than any host work measured here
 
@@ -38,12 +37,13 @@ BUSY_CYCLES = 400_000_000  # ~0.2 s of GPU sleep: longer than any host work meas
 @contextmanager
 def launch_marks(marks):
     """Append (perf_counter, name) after every Triton launch, FP8 GEMM and SDPA call."""
-    orig_launch, orig_gemm = BoundKernel.launch, gemm.fp8_gemm
-    orig_sdpa = torch.nn.functional.scaled_dot_product_attention
+    from triton.runtime.jit import JITFunction
+
+    orig_launch, orig_gemm, orig_sdpa = JITFunction.run, gemm.fp8_gemm, torch.nn.functional.scaled_dot_product_attention
 
     def launch(self, *args, **kwargs):
         r = orig_launch(self, *args, **kwargs)
-        marks.append((time.perf_counter(), self.jit_fn.fn.__name__))
+        marks.append((time.perf_counter(), self.fn.__name__))
         return r
 
     def gemm_marked(*a, **k):
@@ -57,13 +57,13 @@ def launch_marks(marks):
         return r
 
     gemm_users = (functional, fused_mlp)
-    BoundKernel.launch, torch.nn.functional.scaled_dot_product_attention = launch, sdpa
+    JITFunction.run, torch.nn.functional.scaled_dot_product_attention = launch, sdpa
     for mod in gemm_users:
         mod.fp8_gemm = gemm_marked
     try:
         yield
     finally:
-        BoundKernel.launch, torch.nn.functional.scaled_dot_product_attention = orig_launch, orig_sdpa
+        JITFunction.run, torch.nn.functional.scaled_dot_product_attention = orig_launch, orig_sdpa
         for mod in gemm_users:
             mod.fp8_gemm = orig_gemm
 
@@ -219,15 +219,14 @@ def piece_costs(dev):
     cast_args = (a, scale, q, None, 8192, 4096, 8192)
     cast_kw = dict(WRITE_ROW=True, WRITE_T=False, E5M2_OUT=False, BM=TQ.CAST_BM, BN=TQ.CAST_BN, num_warps=TQ.CAST_WARPS)
     tickets = scaling.ScaleTickets()
-    via_launcher, via_c = bound_launches(TQ._cast_kernel.jit_fn, grid, cast_args, cast_kw)
+    via_launcher, via_c = bound_launches(TQ._cast_kernel, grid, cast_args, cast_kw)
     costs = {
         "torch.empty [8192,4096] fp8": lambda: torch.empty(8192, 4096, device=dev, dtype=torch.float8_e4m3fn),
         "cast (allocation + launch)": lambda: TQ.cast(a, scale, "e4m3", True),
         "torch._scaled_mm [8192,4096]x[4096,12288]": lambda: torch._scaled_mm(
             a8, w8.t(), scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16),
         "empty autograd Function": lambda: Noop.apply(leaf),
-        "cast kernel through JITFunction.run": lambda: TQ._cast_kernel.jit_fn[grid](*cast_args, **cast_kw),
-        "cast kernel through BoundKernel (the layers' path)": lambda: TQ._cast_kernel[grid](*cast_args, **cast_kw),
+        "cast kernel launch only": lambda: TQ._cast_kernel[grid](*cast_args, **cast_kw),
         "cast kernel, compiled kernel's launcher": via_launcher,
         "cast kernel, C launch function": via_c,
         "stage-2 ticket arguments": lambda: scaling.stage_two_args(scale.reshape(1), "e4m3", tickets),

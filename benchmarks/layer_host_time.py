@@ -181,14 +181,13 @@ def piece_costs():
     q = torch.empty_like(a8)
     kw = dict(WRITE_ROW=True, WRITE_T=False, E5M2_OUT=False, BM=TQ.CAST_BM, BN=TQ.CAST_BN, num_warps=TQ.CAST_WARPS)
     cast_args = (a, scale, q, None, 2048, 2048, 2048)
-    via_launcher, via_c = bound_launches(TQ._cast_kernel.jit_fn, grid, cast_args, kw)
+    via_launcher, via_c = bound_launches(TQ._cast_kernel, grid, cast_args, kw)
     costs = {
         "torch.empty [2048, 2048] fp8": lambda: torch.empty(2048, 2048, device="cuda", dtype=torch.float8_e4m3fn),
         "torch._scaled_mm [2048,2048]x[2048,5632]": lambda: torch._scaled_mm(
             a8, w8.t(), scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16),
         "torch.matmul bf16 [2048,2048]x[2048,5632]": lambda: a @ w.t(),
-        "cast kernel through JITFunction.run": lambda: TQ._cast_kernel.jit_fn[grid](*cast_args, **kw),
-        "cast kernel through BoundKernel (the layers' path)": lambda: TQ._cast_kernel[grid](*cast_args, **kw),
+        "cast kernel launch": lambda: TQ._cast_kernel[grid](*cast_args, **kw),
         "cast kernel, compiled kernel's launcher": via_launcher,
         "cast kernel, C launch function": via_c,
         "TQ.cast (allocation + launch)": lambda: TQ.cast(a, scale, "e4m3", True),

@@ -13,13 +13,11 @@ import triton
 import triton.language as tl
 
 from ..formats import E5M2, get_format
-from ..triton_launch import bound_kernel
 from .tiles import GROUP, check_group_dim, group_tile, load_group_tile, quantize_group_tile, tile_amax
 
 SCALE_DTYPE = torch.bfloat16  # storage of the 1x16 group scales
 
 
-@bound_kernel
 @triton.jit
 def _group_quantize_kernel(x_ptr, codes_ptr, scales_ptr, partial_ptr, M, K, FP8_MAX: tl.constexpr,
                            E5M2_OUT: tl.constexpr, WRITE_PARTIAL: tl.constexpr, BM: tl.constexpr, G: tl.constexpr):
@@ -35,7 +33,6 @@ def _group_quantize_kernel(x_ptr, codes_ptr, scales_ptr, partial_ptr, M, K, FP8_
         tl.store(partial_ptr + pid, tile_amax(x, mask))
 
 
-@bound_kernel
 @triton.jit
 def _group_dequantize_kernel(codes_ptr, scales_ptr, y_ptr, M, K, BM: tl.constexpr, G: tl.constexpr):
     pid = tl.program_id(0)

@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from ..formats import E4M3, E5M2
-from ..triton_launch import bound_kernel
 from .group_quant import (SCALE_DTYPE, amax_partials_reference, group_dequantize_reference,
                           group_quantize_reference)
 from .scaling import ScaleTickets, StageOneAmax, stage_two_args, store_partial
@@ -55,7 +54,6 @@ def _row_stat(ptr, rows, M):
     return tl.load(ptr + rows, mask=rows < M, other=0.0)[None, :, None]
 
 
-@bound_kernel
 @triton.jit
 def _norm_fwd_kernel(x_ptr, res_ptr, h_ptr, q_ptr, e_ptr, mean_ptr, rstd_ptr, partial_ptr, w_ptr, b_ptr,
                      M, H, eps, IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -88,7 +86,6 @@ def _norm_fwd_kernel(x_ptr, res_ptr, h_ptr, q_ptr, e_ptr, mean_ptr, rstd_ptr, pa
     store_partial(partial_ptr, pid, tile_amax(y, mask), NP, ticket_ptr, scale_ptr, FP8_MAX, FINAL)
 
 
-@bound_kernel
 @triton.jit
 def _norm_cast_kernel(q_ptr, e_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, scale_ptr, out_ptr, out_t_ptr, M, H, M_PAD,
                       IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
@@ -110,7 +107,6 @@ def _norm_cast_kernel(q_ptr, e_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, scale_ptr,
                       False)
 
 
-@bound_kernel
 @triton.jit
 def _norm_bwd_kernel(q_ptr, e_ptr, mean_ptr, rstd_ptr, w_ptr, dy_ptr, dres_ptr, dx_ptr, dw_ptr, db_ptr, partial_ptr,
                      M, H, IS_RMS: tl.constexpr, HAS_DRES: tl.constexpr, HAS_BIAS: tl.constexpr,

@@ -9,7 +9,6 @@ import triton
 import triton.language as tl
 
 from ..formats import E4M3
-from ..triton_launch import bound_kernel
 from .group_quant import SCALE_DTYPE, group_dequantize_reference, group_quantize_reference
 from .tiles import GROUP, check_group_dim, group_tile, load_group_tile, quantize_group_tile
 
@@ -42,7 +41,6 @@ def _act_tile(pid, M, K, BM: tl.constexpr, G: tl.constexpr):
     return group_tile(rows, (pid % n_g) * G, M, K, K // 16, G)
 
 
-@bound_kernel
 @triton.jit
 def _act_fwd_kernel(x_ptr, q_ptr, e_ptr, y_ptr, M, K, ACT: tl.constexpr, BM: tl.constexpr, G: tl.constexpr):
     offs, eoffs, mask = _act_tile(tl.program_id(0), M, K, BM, G)
@@ -53,7 +51,6 @@ def _act_fwd_kernel(x_ptr, q_ptr, e_ptr, y_ptr, M, K, ACT: tl.constexpr, BM: tl.
     tl.store(y_ptr + offs, _act(xd, ACT).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@bound_kernel
 @triton.jit
 def _act_bwd_kernel(q_ptr, e_ptr, dy_ptr, dx_ptr, M, K, ACT: tl.constexpr, BM: tl.constexpr, G: tl.constexpr):
     offs, eoffs, mask = _act_tile(tl.program_id(0), M, K, BM, G)

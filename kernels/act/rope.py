@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from ..formats import E5M2
-from ..triton_launch import bound_kernel
 from .group_quant import amax_partials_reference
 from .handoff import GradientAmaxHandoff
 from .scaling import ScaleTickets, StageOneAmax, stage_two_args, store_partial
@@ -30,7 +29,6 @@ from .tiles import nanmax, tile_amax_of_zero_masked
 LAYOUTS = ("split", "grouped")
 
 
-@bound_kernel
 @triton.jit
 def _rope_kernel(s0, s1, s2, d0, d1, d2, cos_ptr, sin_ptr, partial_ptr, T, P, POS_DIV, SRC_STRIDE_Q, SRC_STRIDE_KV,
                  DST_STRIDE_Q, DST_STRIDE_KV, SRC_HPG_Q, SRC_HPG_KV, SRC_GROUP, DST_HPG_Q, DST_HPG_KV, DST_GROUP,

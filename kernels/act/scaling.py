@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8Format, get_format
-from ..triton_launch import bound_kernel
 from .tiles import nanmax
 
 
@@ -91,7 +90,6 @@ def reduce_scale(partial_ptr, n, FP8_MAX: tl.constexpr, NB: tl.constexpr):
     return tl.where(mx != mx, float("nan"), tl.where(mx > 0, mx / FP8_MAX, 1.0))
 
 
-@bound_kernel
 @triton.jit
 def _finalize_scale_kernel(partial_ptr, n, scale_ptr, FP8_MAX: tl.constexpr, NB: tl.constexpr):
     tl.store(scale_ptr, reduce_scale(partial_ptr, n, FP8_MAX, NB))

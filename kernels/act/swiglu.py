@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 
 from ..formats import E4M3, E5M2
-from ..triton_launch import bound_kernel
 from .group_quant import SCALE_DTYPE, amax_partials_reference, group_dequantize_reference, group_quantize_reference
 from .scaling import ScaleTickets, StageOneAmax, stage_two_args, store_partial
 from .tensor_quant import cast_reference
@@ -44,7 +43,6 @@ def _sigmoid(g):
     return 1.0 / (1.0 + tl.exp(-g))
 
 
-@bound_kernel
 @triton.jit
 def _swiglu_fwd_kernel(x_ptr, q_ptr, e_ptr, out_ptr, partial_ptr, M, F, WRITE_OUT: tl.constexpr,
                        BM: tl.constexpr, G: tl.constexpr, ticket_ptr, scale_ptr, NP,
@@ -65,7 +63,6 @@ def _swiglu_fwd_kernel(x_ptr, q_ptr, e_ptr, out_ptr, partial_ptr, M, F, WRITE_OU
         tl.store(out_ptr + _f_offsets(rows, g0, F, G), p.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@bound_kernel
 @triton.jit
 def _swiglu_cast_kernel(q_ptr, e_ptr, scale_ptr, out_ptr, out_t_ptr, M, F, M_PAD, WRITE_ROW: tl.constexpr,
                         WRITE_T: tl.constexpr, BM: tl.constexpr, G: tl.constexpr):
@@ -78,7 +75,6 @@ def _swiglu_cast_kernel(q_ptr, e_ptr, scale_ptr, out_ptr, out_t_ptr, M, F, M_PAD
                       False, True)
 
 
-@bound_kernel
 @triton.jit
 def _swiglu_bwd_kernel(q_ptr, e_ptr, dy_ptr, dx_ptr, partial_ptr, scale_ptr, out_ptr, out_t_ptr, M, F, M_PAD,
                        CAST: tl.constexpr, WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr,

@@ -11,13 +11,11 @@ import triton
 import triton.language as tl
 
 from ..formats import E5M2, get_format
-from ..triton_launch import bound_kernel
 from .group_quant import amax_partials_reference
 from .scaling import ScaleTickets, StageOneAmax, finalize_scale, stage_two_args, store_partial
 from .tiles import pad16, store_cast
 
 
-@bound_kernel
 @triton.jit
 def _amax_partial_kernel(x_ptr, partial_ptr, ticket_ptr, scale_ptr, N, NP, FP8_MAX: tl.constexpr,
                          FINAL: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
@@ -43,7 +41,6 @@ def _amax_partial_kernel(x_ptr, partial_ptr, ticket_ptr, scale_ptr, N, NP, FP8_M
                   FP8_MAX, FINAL)
 
 
-@bound_kernel
 @triton.jit
 def _cast_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, M, N, M_PAD,
                  WRITE_ROW: tl.constexpr, WRITE_T: tl.constexpr, E5M2_OUT: tl.constexpr,
