@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..formats import E5M2, get_format
-from .tiles import GROUP, check_group_dim, group_tile, load_group_tile, quantize_group_tile, tile_amax
+from .tiles import GROUP, cdiv, check_group_dim, group_tile, load_group_tile, quantize_group_tile, tile_amax
 
 SCALE_DTYPE = torch.bfloat16  # storage of the 1x16 group scales
 
@@ -86,7 +86,7 @@ BM, G, WARPS = 4, 32, 4
 
 
 def _grid(m, k):
-    return (triton.cdiv(m, BM) * triton.cdiv(k // GROUP, G),)
+    return (cdiv(m, BM) * cdiv(k // GROUP, G),)
 
 
 def group_quantize(x, fmt, use_triton: bool, *, partial_amax=False):

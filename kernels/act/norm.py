@@ -20,8 +20,8 @@ from .group_quant import (SCALE_DTYPE, amax_partials_reference, group_dequantize
                           group_quantize_reference)
 from .scaling import ScaleTickets, StageOneAmax, stage_two_args, store_partial
 from .tensor_quant import cast_reference
-from .tiles import (GROUP, check_group_dim, group_tile, load_group_tile, nanmax, pad16, quantize_group_tile,
-                    store_cast_groups, tile_amax)
+from .tiles import (GROUP, cdiv, check_group_dim, group_tile, load_group_tile, nanmax, next_power_of_2, pad16,
+                    quantize_group_tile, store_cast_groups, tile_amax)
 
 
 @triton.jit
@@ -245,9 +245,9 @@ def norm_forward(x2d, weight, bias, use_triton: bool, *, residual=None, kind="rm
     e = torch.empty(m, h // GROUP, dtype=SCALE_DTYPE, device=dev)
     mean = None if is_rms else torch.empty(m, dtype=torch.float32, device=dev)
     rstd = torch.empty(m, dtype=torch.float32, device=dev)
-    bh = triton.next_power_of_2(h)
+    bh = next_power_of_2(h)
     bm = _rows_per_program(bh)
-    grid = (triton.cdiv(m, bm),)
+    grid = (cdiv(m, bm),)
     partials = (torch.empty if m else torch.zeros)(max(grid[0], 1), dtype=torch.float32, device=dev)
     kwargs, amax = stage_two_args(partials, E4M3, tickets)
     if m:
@@ -279,7 +279,7 @@ def norm_cast(q, e, mean, rstd, weight, bias, scale, use_triton: bool, *, zero_c
     out = torch.empty(m, h, dtype=E4M3.dtype, device=q.device) if write_row else None
     out_t = torch.empty(h, mp, dtype=E4M3.dtype, device=q.device) if write_t else None
     bm, g, w = T_TILE if write_t else ROW_TILE
-    grid = (triton.cdiv(mp if write_t else m, bm) * triton.cdiv(h // GROUP, g),)
+    grid = (cdiv(mp if write_t else m, bm) * cdiv(h // GROUP, g),)
     if grid[0]:
         _norm_cast_kernel[grid](q, e, mean, rstd, weight, bias, scale, out, out_t, m, h, mp, IS_RMS=mean is None,
                                 HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered, WRITE_ROW=write_row,
@@ -300,9 +300,9 @@ def norm_backward(q, e, mean, rstd, weight, dy, use_triton: bool, *, dres=None, 
         out = norm_backward_reference(q, e, mean, rstd, weight, dy, dres, has_bias, zero_centered)
         return out + (StageOneAmax(amax_partials_reference(out[0])),) if partial_amax else out
     m, h = q.shape
-    bh = triton.next_power_of_2(h)
+    bh = next_power_of_2(h)
     rows = BWD_ROWS if m >= 64 * BWD_ROWS else max(1, min(BWD_ROWS, m // 4))
-    grid = (triton.cdiv(m, rows),)
+    grid = (cdiv(m, rows),)
     dx = torch.empty(m, h, dtype=dy.dtype, device=q.device)
     alloc = torch.empty if m else torch.zeros  # every program writes its row of partials
     dw = alloc(max(grid[0], 1), h, dtype=torch.float32, device=q.device)

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from ..formats import E4M3
 from .group_quant import SCALE_DTYPE, group_dequantize_reference, group_quantize_reference
-from .tiles import GROUP, check_group_dim, group_tile, load_group_tile, quantize_group_tile
+from .tiles import GROUP, cdiv, check_group_dim, group_tile, load_group_tile, quantize_group_tile
 
 ACTIVATIONS = {"silu": 0, "gelu": 1}
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
@@ -76,7 +76,7 @@ BM, G, WARPS = 8, 16, 4  # one 1x16 group per thread
 
 
 def _grid(m, k):
-    return (triton.cdiv(m, BM) * triton.cdiv(k // GROUP, G),)
+    return (cdiv(m, BM) * cdiv(k // GROUP, G),)
 
 
 def _act_id(name):

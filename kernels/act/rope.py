@@ -24,7 +24,7 @@ from ..formats import E5M2
 from .group_quant import amax_partials_reference
 from .handoff import GradientAmaxHandoff
 from .scaling import ScaleTickets, StageOneAmax, stage_two_args, store_partial
-from .tiles import nanmax, tile_amax_of_zero_masked
+from .tiles import cdiv, nanmax, tile_amax_of_zero_masked
 
 LAYOUTS = ("split", "grouped")
 
@@ -129,7 +129,7 @@ BT, NH, WARPS = 1, 16, 4  # tokens and heads per program (per thread: 8 pairs of
 
 
 def _grid(t, q_heads):
-    return (triton.cdiv(t, BT), 3, triton.cdiv(q_heads, NH))
+    return (cdiv(t, BT), 3, cdiv(q_heads, NH))
 
 
 def _launch(packed, packed_is_src, unpacked, lay: QKVLayout, cos, sin, t, pos_div, sign, kwargs):

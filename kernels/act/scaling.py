@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8Format, get_format
-from .tiles import nanmax
+from .tiles import cdiv, nanmax, next_power_of_2
 
 
 class StageOneAmax(NamedTuple):
@@ -97,7 +97,7 @@ def _finalize_scale_kernel(partial_ptr, n, scale_ptr, FP8_MAX: tl.constexpr, NB:
 
 def reduce_blocks(n: int) -> int:
     """NB of reduce_scale for n partials (a power of two, so few compiled variants)."""
-    return triton.next_power_of_2(triton.cdiv(max(n, 1), 2048))
+    return next_power_of_2(cdiv(max(n, 1), 2048))
 
 
 def scale_of_amax_reference(amax: torch.Tensor, nonfinite: torch.Tensor, fmt: FP8Format) -> torch.Tensor:

@@ -17,7 +17,7 @@ from ..formats import E4M3, E5M2
 from .group_quant import SCALE_DTYPE, amax_partials_reference, group_dequantize_reference, group_quantize_reference
 from .scaling import ScaleTickets, StageOneAmax, stage_two_args, store_partial
 from .tensor_quant import cast_reference
-from .tiles import (GROUP, group_tile, load_group_tile, nanmax, pad16, quantize_group_tile, store_cast_groups,
+from .tiles import (GROUP, cdiv, group_tile, load_group_tile, nanmax, pad16, quantize_group_tile, store_cast_groups,
                     tile_amax_of_zero_masked)
 
 
@@ -153,7 +153,7 @@ def _tiles(f, tile):
 
 
 def _grid(m, f, bm, g):
-    return (triton.cdiv(m, bm) * ((f // 16) // g),)
+    return (cdiv(m, bm) * ((f // 16) // g),)
 
 
 def _cast_outputs(q, width, fmt, write_row, write_t, t_tile):

@@ -13,7 +13,7 @@ import triton.language as tl
 from ..formats import E5M2, get_format
 from .group_quant import amax_partials_reference
 from .scaling import ScaleTickets, StageOneAmax, finalize_scale, stage_two_args, store_partial
-from .tiles import pad16, store_cast
+from .tiles import cdiv, pad16, store_cast
 
 
 @triton.jit
@@ -91,7 +91,7 @@ def amax_partials(x, use_triton: bool, fmt=None, tickets: ScaleTickets | None = 
         return StageOneAmax(amax_partials_reference(x))
     x = x.contiguous()
     n = x.numel()
-    partials = torch.empty(max(triton.cdiv(n, AMAX_BLOCK * AMAX_ITERS), 1), dtype=torch.float32, device=x.device)
+    partials = torch.empty(max(cdiv(n, AMAX_BLOCK * AMAX_ITERS), 1), dtype=torch.float32, device=x.device)
     if n == 0:
         partials.zero_()
         return StageOneAmax(partials)
@@ -120,7 +120,7 @@ def cast(x2d, scale, fmt, use_triton: bool, *, write_row=True, write_t=False):
     mp = pad16(m)
     codes = torch.empty(m, n, dtype=fmt.dtype, device=x2d.device) if write_row else None
     codes_t = torch.empty(n, mp, dtype=fmt.dtype, device=x2d.device) if write_t else None
-    grid = (triton.cdiv(mp if write_t else m, CAST_BM), triton.cdiv(n, CAST_BN))
+    grid = (cdiv(mp if write_t else m, CAST_BM), cdiv(n, CAST_BN))
     _cast_kernel[grid](x2d, scale, codes, codes_t, m, n, mp, WRITE_ROW=write_row, WRITE_T=write_t,
                        E5M2_OUT=fmt is E5M2, BM=CAST_BM, BN=CAST_BN, num_warps=CAST_WARPS)
     return codes, codes_t

@@ -124,6 +124,17 @@ def store_cast_groups(y, rows, g0, scale, out_ptr, out_t_ptr, M, N, M_PAD, G: tl
                  mask=(c[:, None] < N) & (rows[None, :] < M_PAD))
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) on the host, for grids and buffer sizes (triton.cdiv is a constexpr function: a host call to it
+    goes through Triton's constexpr unwrapping, many times the cost of the division, on every launch)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """triton.next_power_of_2 for n >= 1, on the host without Triton's constexpr-function call."""
+    return 1 << (n - 1).bit_length()
+
+
 def pad16(n: int) -> int:
     return (n + 15) // 16 * 16
 

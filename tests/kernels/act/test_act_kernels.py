@@ -19,7 +19,7 @@ from coat_kernels.act import swiglu as S
 from coat_kernels.act import tensor_quant as TQ
 from coat_kernels.act.handoff import GradientAmaxHandoff
 from coat_kernels.act.scaling import ScaleTickets, StageOneAmax, finalize_scale
-from coat_kernels.act.tiles import group_tile, pad16, store_cast_groups
+from coat_kernels.act.tiles import cdiv, group_tile, next_power_of_2, pad16, store_cast_groups
 from coat_kernels.formats import E4M3, E5M2
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)
@@ -45,6 +45,12 @@ def bf16_close(a, b):
 def spread(m, k, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(m, k, generator=g) * torch.logspace(-3, 3, k)).bfloat16()
+
+
+def test_host_grid_helpers_match_tritons():
+    assert [cdiv(a, b) for a in range(0, 300) for b in (1, 3, 16, 2048)] == \
+        [triton.cdiv(a, b) for a in range(0, 300) for b in (1, 3, 16, 2048)]
+    assert [next_power_of_2(n) for n in range(1, 5000)] == [triton.next_power_of_2(n) for n in range(1, 5000)]
 
 
 @pytest.mark.parametrize("fmt", [E4M3, E5M2])
