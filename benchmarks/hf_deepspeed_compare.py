@@ -66,7 +66,9 @@ def run_arm(arm, args, micro_batch, steps, tag, port):
            str(port), os.path.join(ROOT, "launch", "train_ds.py"), "--ds-config", os.path.join(ROOT, config),
            "--model", args.model, "--seq-len", str(args.seq_len), "--global-batch", str(micro_batch * args.gpus),
            "--steps", str(steps), "--seed", str(args.seed), "--data", args.data, "--label", name, "--csv", csv, *flags,
-           *(["--zero-stage", str(args.zero_stage)] if args.zero_stage else [])]
+           *(["--zero-stage", str(args.zero_stage)] if args.zero_stage else []),
+           *(["--profile-step", str(args.profile_step), "--profile-out", os.path.join(args.out, "profile_" + name)]
+             if args.profile_step else [])]
     print(f"== {name}: {' '.join(cmd)}", flush=True)
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=args.run_timeout)
@@ -178,6 +180,8 @@ def main(argv=None):
     p.add_argument("--gpus", type=int, default=1, help="ranks per arm (data parallel)")
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None)
     p.add_argument("--run-timeout", type=int, default=900)
+    p.add_argument("--profile-step", type=int, default=None,
+                   help="profile this step of every run (train_ds.py --profile-step; files in OUT/profile_<run>)")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     p.add_argument("--plot", default=None, help="only draw loss.png from a results.json")
     args = p.parse_args(argv)

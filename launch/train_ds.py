@@ -7,7 +7,9 @@
 Prints per step: loss (mean over ranks), step time, tokens/s; after the first step the optimizer-state bytes of
 every rank; at the end peak memory per rank and a JSON summary line (`SUMMARY {...}`: also the median time of
 `engine.step()` alone and rank 0's peak CPU resident set, which holds the optimizer states under ZeRO-Offload). `--csv`
-writes the curve.
+writes the curve. `--profile-step STEP [--profile-out DIR]` runs that step under torch.profiler and writes, per rank,
+its chrome trace and a table of the host ops by self CPU time with the step's kernel launch count (the step is left
+out of the timing medians): where a host-bound step's time goes.
 The optimizer, ZeRO stage and precision come from the DeepSpeed config; this script only sets the batch sizes
 (`--global-batch` sequences per step, split over the data-parallel ranks) and, with `--lr`, the peak learning rate.
 
@@ -151,9 +153,16 @@ def parse_args(argv=None):
                    help="--resume loads a universal checkpoint (coat_ds.to_universal): any number of ranks")
     p.add_argument("--deterministic", action="store_true",
                    help="torch.use_deterministic_algorithms: bit-reproducible GPU runs (slower attention backward)")
+    p.add_argument("--profile-step", type=int, default=None, metavar="STEP",
+                   help="profile this step (counted from the start of training) with torch.profiler; it is left out "
+                        "of the timing medians")
+    p.add_argument("--profile-out", default="profile",
+                   help="where --profile-step writes rankR_stepS.json.gz (chrome trace) and rankR_stepS_host_ops.txt")
     p.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     args = p.parse_args(argv)
     check_checkpoint_args(p, args)
+    if args.profile_step is not None and not 1 <= args.profile_step <= args.steps:
+        p.error(f"--profile-step {args.profile_step} is not one of the steps 1..{args.steps} this run trains")
     return args
 
 
@@ -297,20 +306,27 @@ def main(argv=None):
             memory["before_forward"] = torch.cuda.memory_allocated(device)
             memory["first_step_peak"] = torch.cuda.max_memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
+        profiler = start_profiler(device) if step + 1 == args.profile_step else None
         start = time.perf_counter()
         loss = engine(input_ids=tokens[:, :-1], labels=tokens[:, 1:].contiguous()).loss
         engine.backward(loss)
-        host_times.append(time.perf_counter() - start)  # until the host has issued forward and backward
+        host_s = time.perf_counter() - start  # until the host has issued forward and backward
         sync(device)
         optimizer_start = time.perf_counter()
         engine.step()
         sync(device)
-        optimizer_times.append(time.perf_counter() - optimizer_start)
+        optimizer_s = time.perf_counter() - optimizer_start
         step_s = time.perf_counter() - start
+        if profiler is not None:
+            write_profile(profiler, args.profile_out, rank, step + 1, host_s)
+        else:
+            host_times.append(host_s)
+            optimizer_times.append(optimizer_s)
         mean_loss = loss.detach().float().clone()
         dist.all_reduce(mean_loss)
         mean_loss = mean_loss.item() / world
-        step_times.append(step_s)
+        if profiler is None:
+            step_times.append(step_s)
         rows.append((step + 1, mean_loss, step_s, tokens_per_step / step_s))
         if csv:
             csv.write("%d,%r,%.6f,%.1f\n" % rows[-1])  # the loss as Python prints it: the exact value
@@ -481,6 +497,34 @@ def report_state(engine, optimizer_state_report, rank, world, dist):
         for r, rep in enumerate(reports):
             print(f"[train_ds] rank {r}: {rep['optimizer']} state {rep['state_bytes']:,} bytes for "
                   f"{rep['stepped_numel']:,} elements = {rep['bytes_per_element']:.3f} bytes/element", flush=True)
+
+
+KERNEL_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def start_profiler(device):
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    profiler = profile(activities=activities)
+    profiler.start()
+    return profiler
+
+
+def write_profile(profiler, out_dir, rank, step, host_s):
+    """Stop the profiler of one step and write its chrome trace and its host ops by self CPU time."""
+    profiler.stop()
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"rank{rank}_step{step}")
+    profiler.export_chrome_trace(stem + ".json.gz")
+    events = profiler.key_averages()
+    launches = sum(e.count for e in events if e.key in KERNEL_LAUNCHES)
+    with open(stem + "_host_ops.txt", "w") as f:
+        f.write(f"step {step}: forward + backward issued in {host_s * 1e3:.1f} ms (profiled), {launches} kernel "
+                f"launches in the step\n")
+        f.write(events.table(sort_by="self_cpu_time_total", row_limit=40))
+    print(f"[train_ds] step {step} profiled: {stem}.json.gz, {stem}_host_ops.txt ({launches} kernel launches)",
+          flush=True)
 
 
 def sync(device):

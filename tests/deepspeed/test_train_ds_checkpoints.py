@@ -55,6 +55,7 @@ def train_ds():
     (["--steps", "6", "--save-dir", "ck", "--save-at", "0"], "--save-at 0 is not one of the steps 1..6"),
     (["--save-at", "3"], "--save-at needs --save-dir"),
     (["--universal"], "--universal says how to load --resume"),
+    (["--steps", "6", "--profile-step", "7"], "--profile-step 7 is not one of the steps 1..6"),
 ])
 def test_checkpoint_flags_that_cannot_work_fail_at_parsing(train_ds, capsys, argv, message):
     with pytest.raises(SystemExit):
