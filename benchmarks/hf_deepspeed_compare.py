@@ -17,10 +17,12 @@ The default --arms are the ones above the checkpointing and offload lines.
 
     python benchmarks/hf_deepspeed_compare.py [--model tinyllama-1b] [--micro-batch 8 | --micro-batches 1,2,4,8]
         [--steps 30] [--curve-steps 200] [--curve-arms bf16,coat] [--arms ...] [--max-batch] [--out DIR]
-        [--gpus N] [--zero-stage 2|3] [--data bigram|corpus] [--seed S]
+        [--gpus N] [--zero-stage 2|3] [--data bigram|corpus] [--seed S] [--profile-step STEP]
 
 --gpus N runs each arm on N ranks (data parallel, micro-batch per rank, so the global batch is N x micro-batch);
---zero-stage overrides the configs' ZeRO stage (ZeRO-3 partitions the bf16 weights too).
+--zero-stage overrides the configs' ZeRO stage (ZeRO-3 partitions the bf16 weights too). --profile-step STEP
+profiles that step of every run (train_ds.py's flag): a chrome trace and the host ops by self CPU time in
+DIR/profile_<run>/.
 
 Largest micro-batch: the first run's breakdown gives the memory held between steps and what a step adds per
 sequence; the predicted largest batch is run for a few steps, and on out-of-memory 10% smaller, until one fits.
