@@ -131,8 +131,8 @@ def cdiv(a: int, b: int) -> int:
 
 
 def next_power_of_2(n: int) -> int:
-    """triton.next_power_of_2 for n >= 1, on the host without Triton's constexpr-function call."""
-    return 1 << (n - 1).bit_length()
+    """triton.next_power_of_2 on the host without Triton's constexpr-function call (0 for n <= 0, as Triton's)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 def pad16(n: int) -> int:

@@ -50,7 +50,7 @@ def spread(m, k, seed=0):
 def test_host_grid_helpers_match_tritons():
     assert [cdiv(a, b) for a in range(0, 300) for b in (1, 3, 16, 2048)] == \
         [triton.cdiv(a, b) for a in range(0, 300) for b in (1, 3, 16, 2048)]
-    assert [next_power_of_2(n) for n in range(1, 5000)] == [triton.next_power_of_2(n) for n in range(1, 5000)]
+    assert [next_power_of_2(n) for n in range(-3, 5000)] == [triton.next_power_of_2(n) for n in range(-3, 5000)]
 
 
 @pytest.mark.parametrize("fmt", [E4M3, E5M2])
