@@ -1,8 +1,8 @@
 """Host (CPU) time of one decoder layer's forward + backward, with the GPU held busy so the host never waits: COAT
 (Hugging Face's Llama layer converted by coat_hf: what users run), the same layer in BF16, and TransformerEngine's
 `TransformerLayer` (BF16 and FP8 delayed scaling) when `transformer_engine` imports. Also: the host time per step
-with steps issued back to back and no sleep kernel (launches behind a long-running kernel cost more host time on
-some machines, so the two host columns can differ), launches per layer step (CUDA kernel launches counted by the
+with steps issued back to back and no sleep kernel (for BF16 the sleep-kernel figure came out above whole-model runs'
+per-layer host time, so both are reported), launches per layer step (CUDA kernel launches counted by the
 profiler), the step's GPU time with the host ahead, its synchronised wall time, and (--cprofile) the COAT layer's top
 Python functions.
 
