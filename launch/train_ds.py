@@ -35,12 +35,12 @@ A rigid checkpoint loads only on the number of ranks it was saved on; convert it
     python -m coat_ds.to_universal --input_folder DIR/step100 --output_folder DIR/step100_universal
     torchrun --nproc_per_node 1 launch/train_ds.py ... --resume DIR:step100_universal --universal
 A missing directory or tag, a rigid checkpoint of another rank count, a universal folder without --universal (or the
-reverse), another --seed or --seq-len than saved, or --save-at outside the steps this run trains is an error before
-training. `--deterministic` makes GPU runs bit-reproducible (flash attention's backward accumulates with atomics
-otherwise): a run resumed on as many ranks repeats the uninterrupted one's losses bit for bit (--csv writes them
-exactly). On another number of ranks the losses differ a little, as a run on that many ranks from the start would:
-FP8 activation scales are per micro-batch, gradients are summed in another order, and the optimizer's FP8 groups
-are cut at other partition edges.
+reverse), another --seed or --seq-len than saved, or --save-at / --profile-step outside the steps this run trains is
+an error before training. `--deterministic` makes GPU runs bit-reproducible (flash attention's backward accumulates
+with atomics otherwise): a run resumed on as many ranks repeats the uninterrupted one's losses bit for bit (--csv
+writes them exactly). On another number of ranks the losses differ a little, as a run on that many ranks from the
+start would: FP8 activation scales are per micro-batch, gradients are summed in another order, and the optimizer's
+FP8 groups are cut at other partition edges.
 """
 from __future__ import annotations
 
@@ -418,6 +418,9 @@ def load_checkpoint(engine, directory: str, tag: str, args, rank: int) -> dict:
                          f"{args.steps} (--steps counts from the start of training)")
     if args.save_dir and args.save_at <= saved["step"]:
         raise SystemExit(f"--save-at {args.save_at} is not after step {saved['step']}, where --resume starts")
+    if args.profile_step is not None and args.profile_step <= saved["step"]:
+        raise SystemExit(f"--profile-step {args.profile_step} is not after step {saved['step']}, where --resume "
+                         "starts")
     if rank == 0:
         print(f"[train_ds] resumed from {load_path} (step {saved['step']}, {saved['samples']} samples) in "
               f"{time.perf_counter() - start:.1f} s", flush=True)

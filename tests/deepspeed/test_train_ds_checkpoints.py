@@ -40,6 +40,8 @@ def test_resume_across_data_parallel_sizes(tmp_path, stage):
         output = setup.fails(1, "--resume", f"{tmp_path / 'two_ranks'}:step{runs.SAVE_AT}")
         assert "saved on 2 data-parallel ranks, this run has 1" in output and "coat_ds.to_universal" in output, \
             output[-3000:]
+        output = setup.fails(2, "--resume", f"{tmp_path / 'two_ranks'}:step{runs.SAVE_AT}", "--profile-step", "2")
+        assert "--profile-step 2 is not after step 3, where --resume starts" in output, output[-3000:]
 
 
 @pytest.fixture(scope="module")
