@@ -91,8 +91,38 @@ def python_profile(layer, x, dy, params, reps=5):
     prof.disable()
     torch.cuda.synchronize()
     out = io.StringIO()
+    out.write(grouped_profile(prof, reps) + "\n\n")
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(45)
     return out.getvalue()
+
+
+def code_group(filename: str, function: str) -> str:
+    """Where a profiled function's own time belongs: the package of a Python function, or the C call it is."""
+    for package in ("coat_kernels", "coat_hf", "triton", "transformers", "torch"):
+        if f"/{package}/" in filename:
+            return f"{package} (Python)"
+    if filename == "~":
+        if "triton" in function or "__triton_launcher" in function:
+            return "Triton (C): " + function[:60]
+        if "torch" in function or "TensorBase" in function or "_EngineBase" in function:
+            return "torch (C): " + function[:60]
+        return "Python built-ins"
+    return "other Python: " + os.path.basename(filename)
+
+
+def grouped_profile(prof: cProfile.Profile, reps: int, top: int = 16) -> str:
+    """Own (tottime) ms and calls per step, grouped by code_group."""
+    own, calls = {}, {}
+    for (filename, _, function), (_, ncalls, tottime, _, _) in pstats.Stats(prof).stats.items():
+        group = code_group(filename, function)
+        own[group] = own.get(group, 0.0) + tottime
+        calls[group] = calls.get(group, 0) + ncalls
+    total = sum(own.values())
+    lines = [f"per step, cProfile's overhead included: {total * 1e3 / reps:.2f} ms, "
+             f"{sum(calls.values()) / reps:.0f} calls"]
+    for group in sorted(own, key=own.get, reverse=True)[:top]:
+        lines.append(f"  {own[group] * 1e3 / reps:7.3f} ms {calls[group] / reps:7.1f} calls  {group}")
+    return "\n".join(lines)
 
 
 class TeLayer(torch.nn.Module):
@@ -176,7 +206,7 @@ def main():
         rows.append(row)
         lc.log(f"{name:55s} host {fwd + bwd:6.2f} ms (fwd {fwd:5.2f}, bwd {bwd:5.2f}; back to back {back_to_back:5.2f})"
                f"  GPU {gpu:6.2f} ms  wall {wall:6.2f} ms  launches {n}", name="host.log")
-        if args.cprofile and name.startswith("COAT ("):
+        if args.cprofile and not name.startswith(("COAT +", "TE")):
             lc.log(python_profile(layer, x, dy, params), name="host_cprofile.log")
         del layer
         torch.cuda.empty_cache()
