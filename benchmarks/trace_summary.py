@@ -54,6 +54,7 @@ def kernels(path: str) -> list[tuple[float, float, str]]:
 
 
 def union(intervals) -> list[list[float]]:
+    """The intervals merged where they overlap or touch, sorted."""
     out = []
     for start, stop in sorted(intervals):
         if out and start <= out[-1][1]:
@@ -61,6 +62,10 @@ def union(intervals) -> list[list[float]]:
         else:
             out.append([start, stop])
     return out
+
+
+def covered(merged: list[list[float]]) -> float:
+    return sum(stop - start for start, stop in merged)
 
 
 def overlap(a: list[list[float]], b: list[list[float]]) -> float:
@@ -77,6 +82,8 @@ def overlap(a: list[list[float]], b: list[list[float]]) -> float:
 
 
 def collectives(ks, steps: int) -> list[str]:
+    """Lines on the NCCL kernels: their time per step, the part no compute kernel overlaps, and each collective's
+    count per step and minimum / median / maximum duration."""
     comm = [(s, t, n) for s, t, n in ks if category(n) == "communication"]
     if not comm:
         return []
@@ -85,7 +92,7 @@ def collectives(ks, steps: int) -> list[str]:
         per_name[n.split("(")[0]].append(t - s)
     comm_u = union((s, t) for s, t, _ in comm)
     compute_u = union((s, t) for s, t, n in ks if category(n) != "communication")
-    total = sum(t - s for s, t in comm_u)
+    total = covered(comm_u)
     hidden = overlap(comm_u, compute_u)
     lines = [f"  collectives: {total / 1e3 / steps:.2f} ms per step, {(total - hidden) / 1e3 / steps:.2f} ms of it "
              "with no compute kernel running beside it"]
@@ -99,12 +106,8 @@ def summary(path: str, steps: int, top: int) -> str:
     ks = kernels(path)
     if not ks:
         return f"{path}: no GPU kernels in the trace"
-    span = ks[-1][1] - ks[0][0]
-    busy, end = 0.0, ks[0][0]
-    for start, stop, _ in ks:
-        if stop > end:
-            busy += stop - max(start, end)
-            end = stop
+    span = max(stop for _, stop, _ in ks) - ks[0][0]
+    busy = covered(union((start, stop) for start, stop, _ in ks))
     per_cat, per_name = collections.Counter(), collections.Counter()
     for start, stop, name in ks:
         per_cat[category(name)] += stop - start

@@ -30,3 +30,21 @@ def test_profile_step_writes_the_trace_and_the_host_ops(tmp_path):
                                                        summary, re.M)}
     assert set(spans) == {"forward", "backward", "after backward"} and min(spans.values()) > 0, summary
     assert "autograd Function calls" in summary, summary  # the COAT blocks' Functions (torch references on a CPU)
+
+
+def test_trace_summary_reports_collectives_and_their_overlap(tmp_path):
+    """Per collective: minimum, median, maximum duration; the part of the collectives no compute kernel overlaps."""
+    def kernel(name, ts, dur):
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    events = [kernel("ncclDevKernel_AllGather_RING_LL(args)", 0.0, 100.0),
+              kernel("ncclDevKernel_AllGather_RING_LL(args)", 200.0, 300.0),
+              kernel("ncclDevKernel_AllGather_RING_LL(args)", 600.0, 200.0),
+              kernel("nvjet_sm90_gemm", 250.0, 100.0)]  # overlaps 100 us of the second gather
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    out = trace_summary.summary(str(path), steps=1, top=2)
+    assert "collectives: 0.60 ms per step, 0.50 ms of it with no compute kernel" in out, out
+    assert re.search(r"ncclDevKernel_AllGather_RING_LL +3\.0 per step, us min +100\.0 median +200\.0 max +300\.0",
+                     out), out
+    assert "GPU busy 0.6 ms, idle 0.2 ms" in out, out
