@@ -1,10 +1,11 @@
 """Host (CPU) time of one decoder layer's forward + backward, with the GPU held busy so the host never waits: COAT
 (Hugging Face's Llama layer converted by coat_hf: what users run), the same layer in BF16, and TransformerEngine's
 `TransformerLayer` (BF16 and FP8 delayed scaling) when `transformer_engine` imports. Also: the host time per step
-with steps issued back to back and no sleep kernel (for BF16 the sleep-kernel figure came out above whole-model runs'
-per-layer host time, so both are reported), launches per layer step (CUDA kernel launches counted by the
-profiler), the step's GPU time with the host ahead, its synchronised wall time, and (--cprofile) the COAT layer's top
-Python functions.
+with steps issued back to back and no sleep kernel (what a training loop sees; the sleep kernel inflates a
+launch-heavy layer such as BF16's, so compare variants by this column), launches per layer step (CUDA kernel
+launches counted by the profiler), the step's GPU time with the host ahead, its synchronised wall time, and
+(--cprofile) each eager variant's Python cost grouped by code (coat_kernels, Triton, torch, ...) and its top
+functions.
 
 Default shape: TinyLlama 1.1B's layer (hidden 2048, FFN 5632, 32 heads, 4 key/value heads), micro-batch 1 x 2048.
 

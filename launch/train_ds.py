@@ -322,11 +322,10 @@ def main(argv=None):
         else:
             host_times.append(host_s)
             optimizer_times.append(optimizer_s)
+            step_times.append(step_s)
         mean_loss = loss.detach().float().clone()
         dist.all_reduce(mean_loss)
         mean_loss = mean_loss.item() / world
-        if profiler is None:
-            step_times.append(step_s)
         rows.append((step + 1, mean_loss, step_s, tokens_per_step / step_s))
         if csv:
             csv.write("%d,%r,%.6f,%.1f\n" % rows[-1])  # the loss as Python prints it: the exact value
