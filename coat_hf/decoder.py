@@ -5,12 +5,13 @@ benchmarks alike.
 
 - norm1 + q/k/v projections: one FP8 GEMM over the three weights (`fp8_norm_linear` with weight pieces, residual_out:
   x's two gradients meet inside the norm backward);
-- attention core in BF16: the family's rotary step (Llama: RoPE fused with the q/k/v split), causal scaled-dot-product
-  attention with grouped-query attention, Hugging Face's mask when it passes one (padding, sliding windows), the KV
-  cache updated when one is passed (generation's prefill);
-- o_proj: `fp8_linear` reusing the attention output that the attention kernel keeps;
+- attention core in BF16: the family's rotary step (Llama: RoPE fused with the q/k/v split), the KV cache updated when
+  one is passed (generation's prefill), then the model's own attention backend through Hugging Face's attention
+  interface (coat_hf.attention: sdpa, eager, flex, flash, with the model's masks and packed-sequence arguments);
+- o_proj: `fp8_linear`, reusing the attention output where the attention kernel keeps it;
 - residual add + norm2 + gate/up + SwiGLU + down: one `fp8_norm_swiglu_mlp` node.
-Generation steps that extend a KV cache (one new token at a time) run the layer's original BF16 forward.
+Generation steps that extend a KV cache (one new token at a time), calls asking for attention weights and paged
+attention run the layer's original BF16 forward.
 With `ActivationConfig(cuda_graphs=True)` a training step's layer forward and backward replay CUDA graphs captured
 per input shape (coat_kernels.act.layer_graphs; at most `cuda_graph_shapes` shapes per layer) where the call allows
 it (`graphable`); other calls run eagerly.
@@ -21,12 +22,12 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from coat_kernels.act import ActivationConfig, CoatRuntime, fp8_linear, fp8_norm_linear, fp8_norm_swiglu_mlp
 from coat_kernels.act.layer_graphs import GraphedLayer
 from coat_kernels.act.weights import WeightCache
 
+from . import attention
 from .causal_lm import kv_cache_of
 from .families import Family
 
@@ -70,30 +71,50 @@ class CoatDecoderLayer:
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, position_embeddings=None, **kwargs):
         kv_cache = kv_cache_of(kwargs)
-        extends_cache = kv_cache is not None and kv_cache.get_seq_length(self.self_attn.layer_idx) > 0
-        if position_embeddings is None or extends_cache:
+        if runs_in_hf_layer(self, position_embeddings, kv_cache, kwargs):
             return super().forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                    position_embeddings=position_embeddings, **kwargs)
-        if graphable(self, hidden_states, kv_cache):
+        if graphable(self, hidden_states, attention_mask, kv_cache, kwargs):
             return self.coat.graphed(self)(hidden_states, *position_embeddings, attention_mask)
-        return decoder_layer(self, self.coat, hidden_states, position_embeddings, attention_mask, kv_cache)
+        return decoder_layer(self, self.coat, hidden_states, position_embeddings, attention_mask, kv_cache,
+                             dict(kwargs, position_ids=position_ids))
 
 
-def graphable(layer, x, kv_cache) -> bool:
+def runs_in_hf_layer(layer, position_embeddings, kv_cache, kwargs) -> bool:
+    """Calls the layer's own BF16 forward serves: without position embeddings, generation steps that extend a KV
+    cache, attention weights asked for (`output_attentions`: the FP8 layer never forms them), paged attention."""
+    return (position_embeddings is None or bool(kwargs.get("output_attentions"))
+            or (kv_cache is not None and kv_cache.get_seq_length(layer.self_attn.layer_idx) > 0)
+            or attention.runs_in_hf_layer(layer.self_attn))
+
+
+# Attention backends whose calls can be captured in a CUDA graph as they are: no host synchronisation, and every input
+# a tensor of a fixed shape (flex attention's BlockMask and the flash kernels' sequence boundaries are not).
+GRAPHABLE_ATTENTION = ("sdpa", "eager")
+# Keyword arguments of packed batches for the flash kernels (sequence boundaries): data-dependent shapes
+VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def graphable(layer, x, mask, kv_cache, kwargs) -> bool:
     """Whether this call of a converted layer may replay CUDA graphs: asked for by the config; a CUDA training step
-    (grad enabled, no KV cache, no dropout) outside another capture and outside torch.compile; no activation
-    checkpointing, no module hooks (ZeRO-3's parameter gathering, offloading hooks) around the layer and no
-    saved-tensor hooks (activation offloading, memory measurements), which a replay would bypass."""
+    (grad enabled, no KV cache, no dropout) outside another capture and outside torch.compile; an attention backend
+    in GRAPHABLE_ATTENTION with a tensor mask or none; no activation checkpointing, no module hooks (ZeRO-3's
+    parameter gathering, offloading hooks) around the layer and no saved-tensor hooks (activation offloading, memory
+    measurements), which a replay would bypass."""
     return (layer.coat.config.cuda_graphs and x.is_cuda and torch.is_grad_enabled() and kv_cache is None
             and not (layer.training and layer.self_attn.attention_dropout > 0)
+            and attention.implementation(layer.self_attn) in GRAPHABLE_ATTENTION
+            and (mask is None or isinstance(mask, torch.Tensor))
+            and not any(kwargs.get(name) is not None for name in VARLEN_KWARGS)
             and not getattr(layer, "gradient_checkpointing", False)
             and not (layer._forward_pre_hooks or layer._forward_hooks)
             and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
             and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing())
 
 
-def decoder_layer(layer, state: LayerState, x, position_embeddings, mask=None, kv_cache=None):
-    """One decoder layer of x [b, s, h] on the FP8 blocks (see the module docstring) -> [b, s, h]."""
+def decoder_layer(layer, state: LayerState, x, position_embeddings, mask=None, kv_cache=None, kwargs=None):
+    """One decoder layer of x [b, s, h] on the FP8 blocks (see the module docstring) -> [b, s, h]. kwargs: what the
+    model passed the layer for its attention (position_ids, packed-sequence boundaries, ...)."""
     attn, mlp = layer.self_attn, layer.mlp
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
     kw = dict(config=state.config, runtime=state.runtime)
@@ -106,29 +127,13 @@ def decoder_layer(layer, state: LayerState, x, position_embeddings, mask=None, k
                                     (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight), qkv_bias,
                                     eps=norm1.variance_epsilon, zero_centered_gamma=offset, residual_out=True,
                                     weight_cache=state.qkv_cache, **kw)
-    o, kept = attention(attn, qkv, b, s, position_embeddings, mask, kv_cache, state)
+    q, k, v = state.family.rotary(attn, qkv, b, s, position_embeddings, state)
+    if kv_cache is not None:
+        k, v = kv_cache.update(k, v, attn.layer_idx)
+    o, kept = attention.attend(attn, q, k, v, mask, state.family.attention_kwargs(attn), kwargs or {})
     a = fp8_linear(o, attn.o_proj.weight, attn.o_proj.bias, reuse_input=kept, weight_cache=state.o_cache, **kw)
     y, hsum = fp8_norm_swiglu_mlp(a, norm2.weight, None, (mlp.gate_proj.weight, mlp.up_proj.weight),
                                   mlp.down_proj.weight, fc2_bias=mlp.down_proj.bias, residual=residual,
                                   eps=norm2.variance_epsilon, zero_centered_gamma=offset,
                                   fc1_cache=state.fc1_cache, fc2_cache=state.fc2_cache, **kw)
     return (hsum + y).view(b, s, h)
-
-
-def attention(attn, qkv, b, s, position_embeddings, mask, kv_cache, state: LayerState):
-    """The BF16 attention core of qkv [b*s, (hq + 2 hkv) d] -> (o [b*s, hq d], whether o is the attention kernel's
-    own output tensor, which it keeps for its backward)."""
-    cfg = attn.config
-    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    q, k, v = state.family.rotary(attn, qkv, b, s, position_embeddings, state)
-    if kv_cache is not None:
-        k, v = kv_cache.update(k, v, attn.layer_idx)
-    dropout = attn.attention_dropout if attn.training else 0.0
-    if mask is None:
-        o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=attn.scaling,
-                                           enable_gqa=hkv != hq)
-    else:
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, :, :, : k.shape[-2]], dropout_p=dropout,
-                                           scale=attn.scaling, enable_gqa=hkv != hq)
-    o = o.transpose(1, 2)
-    return o.reshape(b * s, hq * q.shape[-1]), o.is_contiguous()

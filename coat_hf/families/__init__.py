@@ -10,8 +10,8 @@ from .base import Family
 
 FAMILIES: dict[str, tuple[str, Family]] = {
     "llama": ("LlamaDecoderLayer", llama.FAMILY),
-    "mistral": ("MistralDecoderLayer", llama.FAMILY),
-    "qwen2": ("Qwen2DecoderLayer", llama.FAMILY),
+    "mistral": ("MistralDecoderLayer", llama.MISTRAL),
+    "qwen2": ("Qwen2DecoderLayer", llama.QWEN2),
     "qwen3": ("Qwen3DecoderLayer", qwen3.FAMILY),
 }
 

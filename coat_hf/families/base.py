@@ -5,7 +5,9 @@ The composition is the same for every family:
     h = x + o_proj(attention(rotary(qkv(norm1(x)))));  y = h + down(act(gate) * up)(norm2(h))
 
 A family says how its layer's q/k/v become rotated attention inputs (`rotary`), which of its layers the FP8 blocks
-cannot run (`unsupported`), and how its norms apply their weight (`norm_offset`: weight + 1, Gemma-style).
+cannot run (`unsupported`), how its norms apply their weight (`norm_offset`: weight + 1, Gemma-style), and what its
+attention module passes the attention function besides the arguments every family passes (`attention_kwargs`:
+Mistral's and Qwen's sliding window).
 """
 from __future__ import annotations
 
@@ -14,8 +16,24 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import attention
+
 # rotary(attn, qkv [b*s, (hq + 2 hkv) d], b, s, (cos, sin), state) -> q [b, hq, s, d], k and v [b, hkv, s, d]
 Rotary = Callable[..., tuple]
+
+
+def no_attention_kwargs(attn: torch.nn.Module) -> dict:
+    return {}
+
+
+def config_sliding_window(attn: torch.nn.Module) -> dict:
+    """Mistral: the config's window for every layer."""
+    return {"sliding_window": getattr(attn.config, "sliding_window", None)}
+
+
+def layer_sliding_window(attn: torch.nn.Module) -> dict:
+    """Qwen2 / Qwen3: each attention module's own window (None on full-attention layers)."""
+    return {"sliding_window": getattr(attn, "sliding_window", None)}
 
 
 @dataclass(frozen=True)
@@ -24,6 +42,7 @@ class Family:
     rotary: Rotary
     norm_offset: bool = False
     extra_check: Optional[Callable[[torch.nn.Module], Optional[str]]] = None
+    attention_kwargs: Callable[[torch.nn.Module], dict] = no_attention_kwargs
 
     def unsupported(self, layer: torch.nn.Module) -> str | None:
         """Why `layer` cannot run on COAT's FP8 blocks (None: it can)."""
@@ -37,4 +56,7 @@ class Family:
                   attn.head_dim * cfg.num_key_value_heads)
         if any(w % 16 for w in widths) or attn.head_dim % 2:
             return f"widths {widths} not multiples of 16"
+        problem = attention.unsupported(attn)
+        if problem:
+            return problem
         return self.extra_check(layer) if self.extra_check else None

@@ -1,11 +1,12 @@
-"""Llama, Mistral and Qwen2 decoder layers: q/k/v projections (Qwen2's with biases), RoPE in the rotate-half form,
-grouped-query attention. RoPE runs fused with the q/k/v split of the QKV GEMM output (coat_kernels.act.rope), on the
-cos/sin tables Hugging Face's rotary embedding computed for the batch (any RoPE scaling variant)."""
+"""Llama, Mistral and Qwen2 decoder layers (Mistral and Qwen2 pass their attention a sliding window): q/k/v projections
+(Qwen2's with biases), RoPE in the rotate-half form, grouped-query attention. RoPE runs fused with the q/k/v split of
+the QKV GEMM output (coat_kernels.act.rope), on the cos/sin tables Hugging Face's rotary embedding computed for the
+batch (any RoPE scaling variant)."""
 from __future__ import annotations
 
 from coat_kernels.act.rope import rope_split
 
-from .base import Family
+from .base import Family, config_sliding_window, layer_sliding_window
 
 
 def rotary(attn, qkv, b, s, position_embeddings, state):
@@ -24,3 +25,5 @@ def rotary(attn, qkv, b, s, position_embeddings, state):
 
 
 FAMILY = Family("llama", rotary)
+MISTRAL = Family("mistral", rotary, attention_kwargs=config_sliding_window)
+QWEN2 = Family("qwen2", rotary, attention_kwargs=layer_sliding_window)

@@ -2,7 +2,7 @@
 and RoPE run in BF16 through Hugging Face's own modules and `apply_rotary_pos_emb`."""
 from __future__ import annotations
 
-from .base import Family
+from .base import Family, layer_sliding_window
 
 
 def rotary(attn, qkv, b, s, position_embeddings, state):
@@ -16,4 +16,4 @@ def rotary(attn, qkv, b, s, position_embeddings, state):
     return q, k, v.transpose(1, 2)
 
 
-FAMILY = Family("qwen3", rotary)
+FAMILY = Family("qwen3", rotary, attention_kwargs=layer_sliding_window)

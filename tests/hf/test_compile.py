@@ -1,8 +1,9 @@
 """torch.compile of COAT: the FP8 blocks as torch.library custom ops (coat_kernels.act.compiled_ops) and converted
 Hugging Face models on them. Checked on CPU: Dynamo's graph breaks against the BF16 model, compiled loss and
 gradients against eager COAT (bit-exact: the ops run the same kernels, and eager's weight cache and gradient-amax
-hand-off change no value), every block under dynamic shapes, the fake implementations (torch.library.opcheck on each
-op as the blocks call it), one decoder layer compiled by Inductor, and the Trainer's torch_compile=True."""
+hand-off change no value; those models use eager attention, see EXACT_ATTENTION), every block under dynamic shapes,
+the fake implementations (torch.library.opcheck on each op as the blocks call it), one decoder layer compiled by
+Inductor, and the Trainer's torch_compile=True."""
 import warnings
 
 import pytest
@@ -19,6 +20,10 @@ from test_hf import batch, tiny
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)
 BF16 = torch.bfloat16
+# While tracing, transformers cannot skip the causal mask, so under torch.compile its sdpa backend runs the masked
+# kernel with k and v repeated per query head, where eager runs is_causal with grouped-query attention: q/k/v
+# gradients differ by BF16 rounding (which E5M2 gradients then amplify). Eager attention takes one path in both.
+EXACT_ATTENTION = dict(attn_implementation="eager")
 OPS = ("fp8_linear", "fp8_norm_linear", "fp8_swiglu_linear", "fp8_norm_swiglu_mlp", "fp8_swiglu", "fp8_act",
        "rope_split")
 
@@ -55,8 +60,8 @@ def test_a_converted_model_has_no_more_graph_breaks_than_bf16(family):
 def test_compiled_model_gives_the_eager_loss_and_gradients(family):
     """aot_eager against eager COAT with its weight cache and gradient-amax hand-off on, across an optimizer step
     (the compiled model quantizes the updated weights)."""
-    eager = convert_to_coat(tiny(family), ActivationConfig(backend="torch"))
-    model = convert_to_coat(tiny(family), ActivationConfig(backend="torch"))
+    eager = convert_to_coat(tiny(family, **EXACT_ATTENTION), ActivationConfig(backend="torch"))
+    model = convert_to_coat(tiny(family, **EXACT_ATTENTION), ActivationConfig(backend="torch"))
     opt_eager = torch.optim.SGD(eager.parameters(), lr=0.5)
     coat_runtime(eager).attach_optimizer(opt_eager)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -238,7 +243,7 @@ def test_trainer_with_torch_compile(tmp_path):
     losses and weights."""
     runs = {}
     for compiled in (False, True):
-        model = convert_to_coat(tiny("llama"), ActivationConfig(backend="torch"))
+        model = convert_to_coat(tiny("llama", **EXACT_ATTENTION), ActivationConfig(backend="torch"))
         args = TrainingArguments(output_dir=str(tmp_path / str(compiled)), per_device_train_batch_size=2, max_steps=3,
                                  logging_steps=1, learning_rate=1e-2, report_to=[], use_cpu=True, disable_tqdm=True,
                                  save_strategy="no", torch_compile=compiled,
