@@ -13,8 +13,9 @@ benchmarks alike.
 Generation steps that extend a KV cache (one new token at a time), calls asking for attention weights and paged
 attention run the layer's original BF16 forward.
 With `ActivationConfig(cuda_graphs=True)` a training step's layer forward and backward replay CUDA graphs captured
-per input shape (coat_kernels.act.layer_graphs; at most `cuda_graph_shapes` shapes per layer) where the call allows
-it (`graphable`); other calls run eagerly.
+per length bucket (coat_kernels.act.layer_graphs; the sequence padded inside the layer to a multiple of
+`cuda_graph_pad_multiple`, coat_hf.graphed_calls) where the call allows it (`graphed_calls.graphable`); other calls
+run eagerly.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from coat_kernels.act import ActivationConfig, CoatRuntime, fp8_linear, fp8_norm
 from coat_kernels.act.layer_graphs import GraphedLayer
 from coat_kernels.act.weights import WeightCache
 
-from . import attention
+from . import attention, graphed_calls
 from .causal_lm import kv_cache_of
 from .families import Family
 
@@ -54,16 +55,22 @@ class LayerState:
         return {**self.__dict__, "graphs": None}
 
     def graphed(self, layer) -> GraphedLayer:
-        """This layer's GraphedLayer: x, cos, sin, mask -> the layer's output, weights quantized in every graph."""
+        """This layer's GraphedLayer: the layer on a padded x [b, S, h] and the bucket's shared inputs (padded cos,
+        sin, mask, number of real positions), weights quantized in every graph."""
         if self.graphs is None:
             inner = dataclasses.replace(self, config=self.config.replace(cache_weights=False))
 
-            def forward(x, cos, sin, mask):
-                return decoder_layer(layer, inner, x, (cos, sin), mask)
+            def forward(x, cos, sin, mask, valid):
+                return decoder_layer(layer, inner, x, (cos, sin), mask, rows=valid)
 
             self.graphs = GraphedLayer(forward, layer, pool=self.runtime.graph_pool,
-                                       max_shapes=self.config.cuda_graph_shapes)
+                                       max_generations=self.config.cuda_graph_shapes)
         return self.graphs
+
+    def replay(self, layer, x, position_embeddings, mask):
+        """The layer's output through its CUDA graphs for x's length bucket, or None: run eagerly."""
+        length = graphed_calls.bucket_length(x.shape[1], self.config.cuda_graph_pad_multiple)
+        return self.graphed(layer)(x, length, graphed_calls.shared_inputs(*position_embeddings, mask, length))
 
 
 class CoatDecoderLayer:
@@ -74,8 +81,14 @@ class CoatDecoderLayer:
         if runs_in_hf_layer(self, position_embeddings, kv_cache, kwargs):
             return super().forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                    position_embeddings=position_embeddings, **kwargs)
-        if graphable(self, hidden_states, attention_mask, kv_cache, kwargs):
-            return self.coat.graphed(self)(hidden_states, *position_embeddings, attention_mask)
+        if self.coat.config.cuda_graphs:
+            refusal = graphed_calls.refusal(self, hidden_states)
+            if refusal:
+                self.coat.runtime.graph_pool.warn_once(*refusal)
+            elif graphed_calls.graphable(self, hidden_states, attention_mask, kv_cache, kwargs):
+                out = self.coat.replay(self, hidden_states, position_embeddings, attention_mask)
+                if out is not None:
+                    return out
         return decoder_layer(self, self.coat, hidden_states, position_embeddings, attention_mask, kv_cache,
                              dict(kwargs, position_ids=position_ids))
 
@@ -88,33 +101,12 @@ def runs_in_hf_layer(layer, position_embeddings, kv_cache, kwargs) -> bool:
             or attention.runs_in_hf_layer(layer.self_attn))
 
 
-# Attention backends whose calls can be captured in a CUDA graph as they are: no host synchronisation, and every input
-# a tensor of a fixed shape (flex attention's BlockMask and the flash kernels' sequence boundaries are not).
-GRAPHABLE_ATTENTION = ("sdpa", "eager")
-# Keyword arguments of packed batches for the flash kernels (sequence boundaries): data-dependent shapes
-VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-
-
-def graphable(layer, x, mask, kv_cache, kwargs) -> bool:
-    """Whether this call of a converted layer may replay CUDA graphs: asked for by the config; a CUDA training step
-    (grad enabled, no KV cache, no dropout) outside another capture and outside torch.compile; an attention backend
-    in GRAPHABLE_ATTENTION with a tensor mask or none; no activation checkpointing, no module hooks (ZeRO-3's
-    parameter gathering, offloading hooks) around the layer and no saved-tensor hooks (activation offloading, memory
-    measurements), which a replay would bypass."""
-    return (layer.coat.config.cuda_graphs and x.is_cuda and torch.is_grad_enabled() and kv_cache is None
-            and not (layer.training and layer.self_attn.attention_dropout > 0)
-            and attention.implementation(layer.self_attn) in GRAPHABLE_ATTENTION
-            and (mask is None or isinstance(mask, torch.Tensor))
-            and not any(kwargs.get(name) is not None for name in VARLEN_KWARGS)
-            and not getattr(layer, "gradient_checkpointing", False)
-            and not (layer._forward_pre_hooks or layer._forward_hooks)
-            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-            and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing())
-
-
-def decoder_layer(layer, state: LayerState, x, position_embeddings, mask=None, kv_cache=None, kwargs=None):
+def decoder_layer(layer, state: LayerState, x, position_embeddings, mask=None, kv_cache=None, kwargs=None,
+                  rows=None):
     """One decoder layer of x [b, s, h] on the FP8 blocks (see the module docstring) -> [b, s, h]. kwargs: what the
-    model passed the layer for its attention (position_ids, packed-sequence boundaries, ...)."""
+    model passed the layer for its attention (position_ids, packed-sequence boundaries, ...). rows: in a graphed call
+    on a padded x, the number of real positions (a 0-dim tensor): the rows past it of the attention output (and of
+    the output, where biases would make them nonzero) are zeroed (coat_hf.graphed_calls)."""
     attn, mlp = layer.self_attn, layer.mlp
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
     kw = dict(config=state.config, runtime=state.runtime)
@@ -131,9 +123,14 @@ def decoder_layer(layer, state: LayerState, x, position_embeddings, mask=None, k
     if kv_cache is not None:
         k, v = kv_cache.update(k, v, attn.layer_idx)
     o, kept = attention.attend(attn, q, k, v, mask, state.family.attention_kwargs(attn), kwargs or {})
+    if rows is not None:
+        graphed_calls.zero_padded_rows(o, rows, s)
     a = fp8_linear(o, attn.o_proj.weight, attn.o_proj.bias, reuse_input=kept, weight_cache=state.o_cache, **kw)
     y, hsum = fp8_norm_swiglu_mlp(a, norm2.weight, None, (mlp.gate_proj.weight, mlp.up_proj.weight),
                                   mlp.down_proj.weight, fc2_bias=mlp.down_proj.bias, residual=residual,
                                   eps=norm2.variance_epsilon, zero_centered_gamma=offset,
                                   fc1_cache=state.fc1_cache, fc2_cache=state.fc2_cache, **kw)
-    return (hsum + y).view(b, s, h)
+    out = hsum + y
+    if rows is not None and (attn.o_proj.bias is not None or mlp.down_proj.bias is not None):
+        graphed_calls.zero_padded_rows(out, rows, s)
+    return out.view(b, s, h)

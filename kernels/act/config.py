@@ -16,12 +16,13 @@ weights after forward: ZeRO-3). "backward": at the first backward that needs it,
 stays referenced by the graph (no copy); the copy does not occupy memory through the forward, where activation memory
 peaks (for engines whose weights stay in memory: Megatron, ZeRO-1/2).
 cuda_graphs: layers that support it (coat_hf's decoder layers) capture their forward and backward as CUDA graphs per
-input shape and replay them (coat_kernels.act.layer_graphs): no host cost per layer step, for static shapes, CUDA
-tensors, training steps whose forward is followed by its backward; parameters must stay where they are (ZeRO-1/2,
-plain PyTorch; not ZeRO-3). Inside a graph the weights are quantized at every forward (cache_weights does not apply).
-cuda_graph_shapes: how many input shapes each layer keeps graphs for (each set keeps its own buffers and saved
-activations); a call with another shape runs eagerly, with one warning per model. Pad or pack batches to a few fixed
-lengths where graphs should replay.
+length bucket and replay them (coat_kernels.act.layer_graphs): no host cost per layer step, for CUDA tensors, training
+steps whose forward is followed by its backward; parameters must stay where they are (ZeRO-1/2, plain PyTorch; not
+ZeRO-3). Inside a graph the weights are quantized at every forward (cache_weights does not apply).
+cuda_graph_pad_multiple: a graphed layer pads the sequence, inside the layer, to the next multiple of this (its
+bucket), so batches of varying length replay the graphs of a few buckets; 1: a bucket per length.
+cuda_graph_shapes: how many buckets (padded shapes) a model keeps graphs for; all buckets share one memory pool the
+size of the largest; a call in another bucket runs eagerly, with one warning per model.
 """
 from __future__ import annotations
 
@@ -43,13 +44,15 @@ class ActivationConfig:
     cache_weights: bool = True
     transposed_weights: str = "forward"
     cuda_graphs: bool = False
-    cuda_graph_shapes: int = 4
+    cuda_graph_pad_multiple: int = 128
+    cuda_graph_shapes: int = 32
 
     def __post_init__(self):
         check_choice("backend", self.backend, BACKENDS)
         check_choice("transposed_weights", self.transposed_weights, TRANSPOSED_WEIGHTS)
         for name in ("fprop_fast_accum", "cache_weights", "cuda_graphs"):
             check_bool(name, getattr(self, name))
+        check_int("cuda_graph_pad_multiple", self.cuda_graph_pad_multiple, minimum=1)
         check_int("cuda_graph_shapes", self.cuda_graph_shapes, minimum=1)
 
     def use_triton(self, t: torch.Tensor) -> bool:

@@ -1,42 +1,49 @@
-"""CUDA graphs of one layer's forward and backward, captured lazily per input shape and replayed in place of the eager
-calls: the whole host cost of a layer step (Python, Triton launches, cuBLAS calls, autograd nodes) becomes two graph
-launches. TransformerEngine's `make_graphed_callables` does the same for a list of callables captured up front; here
-each layer captures itself at its first call with a new shape, so a model needs no sample inputs and no set-up call.
+"""CUDA graphs of one layer's forward and backward, captured lazily per sequence-length bucket and replayed in place of
+the eager calls: the whole host cost of a layer step (Python, Triton launches, cuBLAS calls, autograd nodes) becomes
+two graph launches. TransformerEngine's `make_graphed_callables` captures a list of callables up front for fixed
+sample shapes; here each layer captures itself at its first call in a new bucket, so a model needs no sample inputs
+and no set-up call, and batches of varying length replay a few sets of graphs.
 
-`GraphedLayer(fn, module)`: `fn(*inputs)` is the layer's forward (a tensor out), reading the parameters of `module`.
-Calling the GraphedLayer with inputs of a signature seen before replays the forward graph; the backward of its output
-replays the backward graph, which gives the gradients of the inputs and parameters to autograd as ordinary gradients
-(accumulated into `.grad`, through any hooks an engine put on the parameters). A signature is the inputs' shapes,
-dtypes and requires_grad, and the parameters' storage addresses (an engine that moves or re-allocates parameters
-gets new graphs, and the graphs made for the old addresses are released).
+`GraphedLayer(fn, module, pool)`: `fn(x, *shared)` is the layer's forward on a padded input x [b, S, ...] (S: the
+bucket's length) and the bucket's shared inputs (the same tensors for every layer of a step: position tables, a mask,
+the number of real positions), returning a tensor of x's shape; it reads the parameters of `module`. A call
+`graphed(x, S, shared)` with x [b, n, ...] (n <= S real positions) pads x to S inside the layer, replays the graphs
+of that bucket (capturing them first if new) and returns the first n positions of the output; the backward of that
+output replays the backward graph and hands autograd the gradients of x and of the parameters as ordinary gradients
+(accumulated into `.grad`, through any hooks an engine put on the parameters). `fn` must keep the padded positions
+from changing the real ones (causal attention with padded masks does; coat_hf's decoder layer also zeroes the padded
+rows of its attention output, so every per-tensor FP8 scale is the unpadded one).
 
-Shapes: a GraphedLayer keeps graphs for at most `max_shapes` input signatures; a call with another one runs `fn`
-eagerly (the same results), and the first such call of a model warns once (through its GraphPool), naming the
-limit and the shape: inputs of ever new lengths (batches padded to their longest sequence) would otherwise capture,
-and keep the memory of, one set of graphs per length.
+Memory: the graphs of one bucket across the model's layers form a *generation*, captured in one forward pass in the
+order the layers run. Within a generation each capture keeps what a later step needs (the activations its forward
+saves for its backward, its buffers) allocated while later layers capture, so no replay of that step overwrites
+what another one still needs; what only one layer's backward writes (its input and parameter gradients) is given
+back to the pool right after its capture, and the output and incoming-gradient buffers once the next layer has
+captured: a later layer runs after it in the forward and before it in the backward, so it may reuse that memory.
+When a new bucket starts capturing, every other generation gives all its memory back to the pool, and the new one is
+captured into it: generations never run at the same time, so all buckets share one pool the size of the largest
+one, about eager's own peak (torch.compile's CUDA-graph trees share one pool the same way). Replays keep using the
+given-back memory through tensors that do not own it (`unowned`).
 
-What a replay needs and how it is kept right:
-- Inputs are copied into the graph's own input buffers (skipped when the caller passes those very buffers). An input
-  that is the output buffer of another graph of the same `GraphPool` (the previous layer's) is used as this graph's
-  input buffer itself: consecutive graphed layers pass activations without a copy or a second buffer.
-- The output is the graph's output buffer (a view of it): each replay overwrites it. A call made while the previous
-  call's backward is still pending (its autograd graph alive: two forwards before a backward, a forward whose loss is
-  never backpropagated and is still referenced) runs eagerly instead, so no live result is overwritten.
-- Graphs sharing a pool may reuse each other's temporary memory, which is safe when they replay in the order they
-  were captured: each input shape's graphs are captured layer by layer in a step of that shape, and replay so. A
-  layer that captures again because its parameters moved would be captured after the layers behind it and replay
-  before them: it captures into a pool of its own from then on.
-- Memory the graphs keep: what the forward saves for backward (kept from capture on, where eager frees it after each
-  backward), the input/output/gradient buffers, and the parameter gradient buffers of the backward graph (the size of
-  the layer's parameters). Graphs of all layers of a model share one `GraphPool`.
-- Capture runs `warmup` eager forward + backward passes first (on a side stream, `torch.autograd.grad`, so nothing is
-  accumulated into `.grad`), then captures the forward and the backward on one capture stream. During capture the
+What keeps replays right:
+- Only one generation is in flight: a call in another bucket while a replay's backward is pending (a forward whose
+  backward has not run: two forwards before a backward, a loss never backpropagated but still referenced) runs
+  eagerly, as does a second call of the same layer before its backward. Captures happen only in a generation's
+  first forward pass, in the order the layers run.
+- Outputs are views of graph buffers, overwritten by later replays: a call while an output handed out before the
+  previous layer's is still referenced runs eagerly, so no live result is overwritten.
+- Inputs are copied into the graph's input buffer (padded rows zeroed), unless they are the previous layer's output
+  buffer, which is then the input buffer itself: consecutive graphed layers pass activations without a copy.
+- Capture runs `warmup` eager forward + backward passes first (on a side stream, `torch.autograd.grad`, so nothing
+  is accumulated into `.grad`), then captures the forward and the backward on one capture stream. During capture the
   module's parameters are replaced by aliases (same storage), so the captured autograd graph holds no node of the
   real parameters: their gradient accumulation (and any hook an engine put on it) runs on the stream of the eager
-  backward.
-- The gradients handed to autograd are views of the backward graph's buffers that the capture keeps referenced, so
-  autograd copies them into `.grad` (it never adopts a buffer the next replay overwrites): gradient accumulation over
-  micro-batches stays right.
+  backward. The gradients handed to autograd are views of graph buffers, so autograd copies them into `.grad`.
+- A layer whose parameters moved to new storage (an engine re-allocating them) can no longer replay: its calls run
+  eagerly and, once no replay is pending, the pool drops every generation and captures anew. A layer that ran
+  eagerly in its generation's first pass (and so has no graphs there) makes the generation capture anew, in order,
+  at its next call with nothing in flight.
+- At most `max_generations` buckets per model; calls in further buckets run eagerly, with one warning per model.
 Only CUDA tensors, with grad enabled, outside another capture; `fn` must not synchronise with the host.
 """
 from __future__ import annotations
@@ -49,14 +56,24 @@ from dataclasses import dataclass, field
 import torch
 
 
+def unowned(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over t's memory that does not keep it allocated (t's memory can be given back to its pool while the
+    graphs that write it keep replaying)."""
+    storage = t.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(alias, t.storage_offset(), t.shape, t.stride())
+
+
 class GraphPool:
-    """What the graphed layers of one model share: a CUDA-graph memory pool (made at first use) and the output
-    buffers of their forward graphs (by address), so that a layer fed by another's output reuses that buffer."""
+    """What the graphed layers of one model share: one CUDA-graph memory pool and its generations (one per bucket,
+    keyed by the shapes it was captured for)."""
 
     def __init__(self):
         self._handle = None
-        self.outputs: dict = {}
-        self.warned_shape_limit = False
+        self.generations: dict = {}
+        self.handed_out: list = []  # weak references to outputs returned by replays, newest last
+        self.warned: set = set()
+        self.reset_requested = False
 
     @property
     def handle(self):
@@ -66,154 +83,340 @@ class GraphPool:
 
     def __getstate__(self):
         """Copies and pickles start empty (a copied model captures its own graphs in a pool of its own)."""
-        return {"_handle": None, "outputs": {}, "warned_shape_limit": False}
+        return {"_handle": None, "generations": {}, "handed_out": [], "warned": set(), "reset_requested": False}
 
-    def warn_shape_limit(self, max_shapes: int, inputs) -> None:
-        """One warning per model: a layer met more input shapes than it keeps graphs for."""
-        if self.warned_shape_limit:
+    def generation(self, key, max_generations: int, shapes) -> "Generation | None":
+        """The generation of bucket `key` (made now if new and within max_generations; else None, with one warning
+        per model)."""
+        if self.reset_requested and not self.in_flight():
+            self.reset()
+        gen = self.generations.get(key)
+        if gen is None:
+            if len(self.generations) >= max_generations:
+                self.warn_once("limit", f"coat-fp8: a layer with per-layer CUDA graphs was called with input shapes "
+                               f"{shapes}, a bucket beyond the {max_generations} whose graphs a model keeps "
+                               f'(ActivationConfig.cuda_graph_shapes; ds_config "coat": {{"cuda_graph_shapes": N}}); '
+                               "calls in further buckets run eagerly (same results, the eager host cost). Raise the "
+                               "limit, or the padding multiple (cuda_graph_pad_multiple) so that fewer buckets cover "
+                               "the lengths.")
+                return None
+            gen = self.generations[key] = Generation(key)
+        return gen
+
+    def in_flight(self, besides=None) -> bool:
+        """Whether a generation other than `besides` has a replay whose backward has not run yet."""
+        return any(g.in_flight for g in self.generations.values() if g is not besides)
+
+    def open(self, gen: "Generation") -> None:
+        """Before `gen` captures: every other generation stops capturing and gives its memory back to the pool."""
+        for other in self.generations.values():
+            if other is not gen:
+                other.close()
+
+    def restart(self, gen: "Generation") -> "Generation":
+        """A new, empty generation in place of `gen` (dropped with its graphs); only when none is in flight."""
+        gen.close()
+        fresh = self.generations[gen.key] = Generation(gen.key)
+        return fresh
+
+    def reset(self) -> None:
+        """Drop every generation (their graphs and pool) and capture anew; only when none is in flight."""
+        self.generations.clear()
+        self.handed_out.clear()
+        self._handle = None
+        self.reset_requested = False
+
+    def may_replay(self, input_tensor) -> bool:
+        """Whether a replay may run: no output handed out earlier whose buffer went back to the pool (where any later
+        replay may write) is still referenced, except the one being fed in (the previous layer's). An output whose
+        buffer its capture still holds is overwritten only by that capture's next replay, as documented."""
+        alive = [(ref, capture) for ref, capture in self.handed_out if ref() is not None]
+        self.handed_out = alive
+        return all(capture.holds_output or ref() is input_tensor for ref, capture in alive)
+
+    def hand_out(self, t: torch.Tensor, capture) -> None:
+        self.handed_out.append((weakref.ref(t), capture))
+
+    def warn_once(self, topic: str, message: str) -> None:
+        """One warning per model and topic."""
+        if topic not in self.warned:
+            self.warned.add(topic)
+            warnings.warn(message, stacklevel=4)
+
+
+class Generation:
+    """The graphs of one bucket across a model's layers (see the module docstring), and the memory they hold."""
+
+    def __init__(self, key):
+        self.key = key
+        self.captures: dict = {}     # GraphedLayer -> _Capture
+        self.order: list = []        # the captures in capture order
+        self.shared = None           # the shared static inputs (unowned views; their owners in `held`)
+        self.filled_from = None      # (weak references to the sources, their versions, n) of the last fill
+        self.outputs: dict = {}      # data_ptr -> output buffer, while captures may still take it as input
+        self.held: dict = {}         # name -> owner (tensors and autograd graphs kept allocated)
+        self.in_flight = 0           # replays whose backward has not run
+        self.sealed = False          # its first forward pass is over: no more captures
+        self.rebuild = False         # a layer found no capture of its own: capture all layers again
+        self.closed = False          # its memory is given back to the pool
+
+    def hold(self, name, owner) -> None:
+        self.held[name] = owner
+
+    def give_back(self, name) -> None:
+        self.held.pop(name, None)
+        if name[0] == "output":
+            self.order[name[1]].holds_output = False
+
+    def close(self) -> None:
+        self.held.clear()
+        self.outputs.clear()
+        for capture in self.order:
+            capture.holds_output = False
+        self.sealed = self.closed = True
+
+    def fill(self, shared: "SharedInputs", n: int) -> None:
+        """Write the call's shared inputs into the static ones, once per step: the layers of a step pass the same
+        source tensors (matched by identity and version, so a new step's tensors at a recycled address are copied)."""
+        sources = shared.sources
+        stamp = [(weakref.ref(s), s._version) if s is not None else None for s in sources]
+        last = self.filled_from
+        if last is not None and last[1] == n and all(
+                (a is None and b is None) or (a is not None and b is not None and a[0]() is b[0]() and a[1] == b[1])
+                for a, b in zip(last[0], stamp)):
             return
-        self.warned_shape_limit = True
-        shapes = [tuple(t.shape) for t in inputs if t is not None]
-        warnings.warn(f"coat-fp8: a layer with per-layer CUDA graphs was called with input shapes {shapes}, a new "
-                      f"shape beyond the {max_shapes} it keeps graphs for (ActivationConfig.cuda_graph_shapes; "
-                      f'ds_config "coat": {{"cuda_graph_shapes": N}}); calls with such shapes run eagerly (same '
-                      "results, the eager host cost). Pad or pack batches to a few fixed lengths (e.g. a data "
-                      "collator's pad_to_multiple_of) so that graphs replay for all of them.", stacklevel=4)
+        shared.pad(sources, n, self.shared)
+        self.filled_from = (stamp, n)
+
+
+@dataclass(frozen=True)
+class SharedInputs:
+    """The inputs every layer of a bucket reads besides its own: `key` (hashable: what fixes their padded shapes),
+    `sources` (the call's tensors, None where absent), `pad(sources, n, out)`: their padded versions for n real
+    positions, written into `out` (a list of tensors) or, with out None, returned as new tensors."""
+    key: tuple
+    sources: tuple
+    pad: object
+
+
+class _Token:
+    """Alive while the autograd graph of one replayed call is (held by its ctx); counts its generation in flight
+    until its backward has run or the graph is gone."""
+
+    def __init__(self, capture):
+        self.capture = capture
+        capture.generation.in_flight += 1
+        capture.pending = weakref.ref(self)
+
+    def finish(self):
+        if self.capture is not None:
+            self.capture.generation.in_flight -= 1
+            self.capture.pending = None
+            self.capture = None
+
+    def __del__(self):
+        self.finish()
 
 
 @dataclass
 class _Capture:
-    inputs: list                # the graph's input buffers (tensors; None where the caller passed None)
-    output: torch.Tensor        # the forward graph's output buffer (holds the autograd graph the backward replays)
-    grad_output: torch.Tensor   # the backward graph's incoming-gradient buffer
-    grads: tuple                # views of the gradient buffers, one per input and parameter that requires grad
-    needs_grad: tuple           # per input and parameter: whether it gets a gradient
+    generation: Generation
+    length: int                 # the bucket's padded length S
+    x: torch.Tensor             # input buffer [b, S, ...] (unowned)
+    output: torch.Tensor        # output buffer (unowned)
+    grad_output: torch.Tensor   # incoming-gradient buffer (unowned)
+    grads: tuple                # unowned views: the input gradient (if needed), then the parameters'
+    needs_grad: tuple           # per input x and parameter: whether it gets a gradient
+    param_ptrs: tuple           # the parameter storage the graphs read
     forward: torch.cuda.CUDAGraph
     backward: torch.cuda.CUDAGraph
     pending: object = None      # weak reference to the token of the call whose backward has not run yet
     replays: int = 0
-
-
-class _Token:
-    """Alive while the autograd graph of one replayed call is (held by its ctx)."""
+    holds_output: bool = True   # whether the output buffer is still this capture's alone (not given back)
 
 
 class _Replay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, capture: _Capture, n_inputs: int, *tensors):
-        for buf, t in zip(capture.inputs, tensors[:n_inputs]):
-            if buf is not None and buf.data_ptr() != t.data_ptr():
-                buf.copy_(t)
+    def forward(ctx, capture: _Capture, n: int, x, *params):
+        buf = capture.x
+        if x.data_ptr() != buf.data_ptr():
+            buf[:, :n].copy_(x)
+            if n < capture.length:
+                buf[:, n:].zero_()
         capture.forward.replay()
         capture.replays += 1
-        ctx.capture, ctx.token = capture, _Token()
-        capture.pending = weakref.ref(ctx.token)
-        return capture.output.detach()
+        ctx.capture, ctx.n, ctx.token = capture, n, _Token(capture)
+        return capture.output[:, :n]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        capture = ctx.capture
-        if grad.data_ptr() != capture.grad_output.data_ptr():
-            capture.grad_output.copy_(grad)
+        capture, n = ctx.capture, ctx.n
+        buf = capture.grad_output
+        buf[:, :n].copy_(grad)
+        if n < capture.length:
+            buf[:, n:].zero_()
         capture.backward.replay()
-        capture.pending = None
+        capture.generation.sealed = True
+        ctx.token.finish()
         grads = iter(capture.grads)
-        return (None, None) + tuple(next(grads) if needed else None for needed in capture.needs_grad)
+        out = [next(grads) if needed else None for needed in capture.needs_grad]
+        if out[0] is not None:
+            out[0] = out[0][:, :n]
+        return (None, None, *out)
 
 
-@dataclass
+@dataclass(eq=False)
 class GraphedLayer:
     fn: object
     module: torch.nn.Module
     pool: GraphPool = field(default_factory=GraphPool)  # shared by the graphed layers of one model
     warmup: int = 1
-    max_shapes: int = 4
-    captures: dict = field(default_factory=dict)
+    max_generations: int = 32
 
     def __post_init__(self):
         self.names = [n for n, p in self.module.named_parameters() if p.requires_grad]
         self.params = [self.module.get_parameter(n) for n in self.names]
-        self.own_pool = None  # this layer's own pool handle, once its parameters have moved
 
-    def __call__(self, *inputs):
-        capture = self._capture_for(inputs)
-        if capture is None or (capture.pending is not None and capture.pending() is not None):
-            # over the shape limit, or the previous call's backward is pending (its output must stay as it is)
-            return self.fn(*inputs)
-        tensors = [t if t is not None else _NONE for t in inputs]
-        return _Replay.apply(capture, len(inputs), *tensors, *self.params)
+    @property
+    def captures(self) -> dict:
+        """This layer's captures: bucket key -> _Capture."""
+        return {key: gen.captures[self] for key, gen in self.pool.generations.items() if self in gen.captures}
 
-    def _capture_for(self, inputs):
-        """The capture for these inputs (made now if new and within max_shapes), or None: run eagerly."""
-        key = self._signature(inputs)
-        capture = self.captures.get(key)
-        if capture is not None:
-            return capture
-        if self._release_stale(key[1]) and self.own_pool is None:
-            self.own_pool = self._new_pool_handle()
-        if len(self.captures) >= self.max_shapes:
-            self.pool.warn_shape_limit(self.max_shapes, inputs)
+    def __call__(self, x: torch.Tensor, length: int, shared: SharedInputs) -> torch.Tensor | None:
+        """The layer's output for x [b, n, ...] (n <= length) through the graphs of bucket `length`; None where they
+        cannot run (see the module docstring): the caller then runs the layer eagerly."""
+        n = x.shape[1]
+        key = (tuple(x.shape[:1]) + (length,) + tuple(x.shape[2:]), x.dtype, x.requires_grad, shared.key)
+        gen = self.pool.generation(key, self.max_generations, [tuple(x.shape)] + [
+            tuple(s.shape) for s in shared.sources if s is not None])
+        capture = None if gen is None else self._capture_for(gen, x, n, length, shared)
+        if capture is None:
             return None
-        capture = self.captures[key] = self._capture(inputs, self.own_pool or self.pool.handle)
+        out = _Replay.apply(capture, n, x, *self.params)
+        self.pool.hand_out(out, capture)
+        return out
+
+    def _capture_for(self, gen: Generation, x, n, length, shared) -> _Capture | None:
+        """The capture to replay now (made now if this is the generation's first pass), or None: run eagerly."""
+        pool = self.pool
+        if pool.in_flight(besides=gen) or not pool.may_replay(x):
+            return None
+        if gen.rebuild and not gen.in_flight:
+            gen = pool.restart(gen)
+        capture = gen.captures.get(self)
+        if capture is not None:
+            if capture.pending is not None and capture.pending() is not None:
+                return None  # its previous output's backward is pending: that output must stay as it is
+            if capture.param_ptrs != tuple(p.data_ptr() for p in self.params):
+                pool.reset_requested = True
+                return None
+            gen.fill(shared, n)
+            return capture
+        if gen.sealed:  # a layer that ran eagerly in the generation's first pass: capture them all again
+            if gen.in_flight:  # not before the layers that replayed in this step have run their backward
+                gen.rebuild = True
+                return None
+            gen = pool.restart(gen)
+        pool.open(gen)
+        if gen.shared is not None:
+            gen.fill(shared, n)
+        capture = self._capture(gen, x, n, length, shared)
+        gen.fill(shared, n)
         return capture
 
-    def _release_stale(self, param_ptrs) -> bool:
-        """Drop the captures made for parameter addresses other than the current ones (they can never replay; a
-        replay whose backward is pending keeps its capture alive through its autograd node until then). Returns
-        whether there were any."""
-        stale_keys = [k for k in self.captures if k[1] != param_ptrs]
-        for key in stale_keys:
-            stale = self.captures.pop(key)
-            self.pool.outputs.pop(stale.output.data_ptr(), None)
-        return bool(stale_keys)
-
-    @staticmethod
-    def _new_pool_handle():
-        return torch.cuda.graph_pool_handle()
-
-    def _signature(self, inputs):
-        return (tuple(None if t is None else (tuple(t.shape), t.dtype, t.requires_grad, t.device) for t in inputs),
-                tuple(p.data_ptr() for p in self.params))
-
-    def _static_input(self, t):
-        if t is None:
-            return None
-        shared = self.pool.outputs.get(t.data_ptr())
-        if shared is not None and shared.shape == t.shape and shared.dtype == t.dtype:
-            return shared.detach().requires_grad_(t.requires_grad)  # a leaf on the other graph's output buffer
-        return t.detach().clone().requires_grad_(t.requires_grad)
-
-    def _capture(self, inputs, pool_handle) -> _Capture:
-        static = [self._static_input(t) for t in inputs]
+    def _capture(self, gen: Generation, x, n, length, shared) -> _Capture:
+        previous = gen.order[-1] if gen.order else None
+        prev_out = gen.outputs.get(x.data_ptr())
+        takes_previous = prev_out is not None and prev_out.dtype == x.dtype and prev_out.shape == (
+            x.shape[0], length, *x.shape[2:])
+        x_warm = prev_out if takes_previous else _pad_rows(x, length)
+        shared_warm = gen.shared if gen.shared is not None else shared.pad(shared.sources, n, None)
         aliases = [torch.nn.Parameter(p.detach(), requires_grad=True) for p in self.params]
-        surface = [t for t in static if t is not None and t.requires_grad] + aliases
-        needs_grad = tuple(t is not None and t.requires_grad for t in static) + (True,) * len(aliases)
         # no autocast cache while capturing: a cast of a parameter cached by an eager pass would be read by the
         # graph as it was then, and a cast made in the capture would live in the graph's memory
         autocast = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
                                   enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
+        handle = self.pool.handle
         with _parameters_replaced(self.module, self.names, aliases), autocast:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(self.warmup):
-                    out = self.fn(*static)
+                    leaf = x_warm.detach().requires_grad_(x.requires_grad)
+                    out = self.fn(leaf, *shared_warm)
+                    surface = ([leaf] if leaf.requires_grad else []) + aliases
                     torch.autograd.grad(out, surface, torch.zeros_like(out), allow_unused=True)
-                    del out
+                    del out, leaf
             torch.cuda.current_stream().wait_stream(side)
             forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(forward, pool=pool_handle):
-                output = self.fn(*static)
-            grad_output = torch.empty_like(output)
-            with torch.cuda.graph(backward, pool=pool_handle):
+            with torch.cuda.graph(forward, pool=handle):
+                # buffers made here (no kernel runs) come from the pool; they are filled before each replay
+                if gen.shared is None:
+                    owners = [torch.empty_like(t) if t is not None else None for t in shared_warm]
+                    gen.hold("shared", owners)
+                    gen.shared = [unowned(t) if t is not None else None for t in owners]
+                # the input leaf does not own its memory: the captured autograd graph (kept for what the forward
+                # saved) must not keep the previous layer's output buffer allocated
+                if takes_previous:
+                    x_static = unowned(prev_out).requires_grad_(x.requires_grad)
+                else:
+                    owner = torch.empty_like(x_warm)
+                    gen.hold(("input", len(gen.order)), owner)
+                    x_static = unowned(owner).requires_grad_(x.requires_grad)
+                output = self.fn(x_static, *gen.shared)
+            with torch.cuda.graph(backward, pool=handle):
+                grad_output = torch.empty_like(output)
+                surface = ([x_static] if x_static.requires_grad else []) + aliases
                 grads = torch.autograd.grad(output, surface, grad_output, allow_unused=True, retain_graph=True)
         if any(g is None for g in grads):
             unused = [i for i, g in enumerate(grads) if g is None]
             raise RuntimeError(f"GraphedLayer: inputs/parameters {unused} requiring grad get no gradient from the "
                                "layer; pass only what the layer uses")
-        self.pool.outputs[output.data_ptr()] = output
-        return _Capture(static, output, grad_output, tuple(g.detach() for g in grads), needs_grad, forward, backward)
+        index = len(gen.order)
+        capture = _Capture(gen, length, x_static.detach(), unowned(output), unowned(grad_output),
+                           tuple(unowned(g) for g in grads), (x_static.requires_grad,) + (True,) * len(aliases),
+                           tuple(p.data_ptr() for p in self.params), forward, backward)
+        # kept until the generation closes: what the forward saved for the backward (the autograd graph), the
+        # input buffer this capture made; kept until the next capture: the output and incoming-gradient buffers
+        gen.hold(("graph", index), output.grad_fn)
+        gen.hold(("output", index), output)
+        gen.hold(("grad_output", index), grad_output)
+        gen.outputs = {output.data_ptr(): output}
+        if previous is not None:
+            last = index - 1
+            gen.give_back(("grad_output", last))
+            if not (takes_previous and _saved_storage(output, x_static.untyped_storage().data_ptr())):
+                gen.give_back(("output", last))
+        gen.captures[self] = capture
+        gen.order.append(capture)
+        return capture
+
+
+def _pad_rows(x: torch.Tensor, length: int) -> torch.Tensor:
+    """x [b, n, ...] with zero rows appended along dim 1 up to `length` (x itself when n == length)."""
+    n = x.shape[1]
+    if n == length:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[0], length - n, *x.shape[2:])], 1)
+
+
+def _saved_storage(output: torch.Tensor, storage_ptr: int) -> bool:
+    """Whether any node of output's autograd graph saved a tensor on the storage at storage_ptr."""
+    seen, stack = set(), [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            saved = list(node.saved_tensors)
+        else:
+            saved = [getattr(node, a) for a in dir(node) if a.startswith("_saved_")]
+        if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == storage_ptr for t in saved):
+            return True
+        stack.extend(fn for fn, _ in node.next_functions)
+    return False
 
 
 @contextmanager
@@ -230,6 +433,3 @@ def _parameters_replaced(module, names, replacements):
     finally:
         for owner, leaf, old in slots:
             owner._parameters[leaf] = old
-
-
-_NONE = torch.empty(0)  # stands for an absent input in the replay's argument list (autograd needs tensors)
