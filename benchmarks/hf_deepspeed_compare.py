@@ -17,12 +17,16 @@ The default --arms are the ones above the checkpointing and offload lines.
 
     python benchmarks/hf_deepspeed_compare.py [--model tinyllama-1b] [--micro-batch 8 | --micro-batches 1,2,4,8]
         [--steps 30] [--curve-steps 200] [--curve-arms bf16,coat] [--arms ...] [--max-batch] [--out DIR]
-        [--gpus N] [--zero-stage 2|3] [--data bigram|corpus] [--seed S] [--profile-step STEP]
+        [--gpus N] [--zero-stage 2|3] [--data bigram|corpus] [--batching fixed|padded|packed] [--min-len N]
+        [--seed S] [--profile-step STEP] [--port-base P]
 
 --gpus N runs each arm on N ranks (data parallel, micro-batch per rank, so the global batch is N x micro-batch);
---zero-stage overrides the configs' ZeRO stage (ZeRO-3 partitions the bf16 weights too). --profile-step STEP
-profiles that step of every run (train_ds.py's flag): a chrome trace and the host ops by self CPU time in
-DIR/profile_<run>/.
+--zero-stage overrides the configs' ZeRO stage (ZeRO-3 partitions the bf16 weights too). --batching padded / packed
+feed samples of varying length (launch/batches.py: lengths uniform in [--min-len, --seq-len], padded to the longest
+of each micro-batch, or packed into rows with position ids restarting); tokens/s then counts real tokens.
+--profile-step STEP profiles that step of every run (train_ds.py's flag): a chrome trace and the host ops by self CPU
+time in DIR/profile_<run>/. Peak reserved memory is what the caching allocator holds, CUDA-graph pools included (the
+per-layer graphs keep using memory they gave back to their pool, which "peak" no longer counts as allocated).
 
 Largest micro-batch: the first run's breakdown gives the memory held between steps and what a step adds per
 sequence; the predicted largest batch is run for a few steps, and on out-of-memory 10% smaller, until one fits.
@@ -62,12 +66,13 @@ def run_arm(arm, args, micro_batch, steps, tag, port):
     """One training process; returns its SUMMARY dict, or {"error": ...}."""
     config, flags = ARMS[arm]
     name = f"{arm}_mb{micro_batch}_{tag}" + (f"_g{args.gpus}" if args.gpus > 1 else "") + (
-        f"_z{args.zero_stage}" if args.zero_stage else "")
+        f"_z{args.zero_stage}" if args.zero_stage else "") + ("" if args.batching == "fixed" else f"_{args.batching}")
     log, csv = os.path.join(args.out, name + ".log"), os.path.join(args.out, name + ".csv")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.gpus), "--master_port",
            str(port), os.path.join(ROOT, "launch", "train_ds.py"), "--ds-config", os.path.join(ROOT, config),
            "--model", args.model, "--seq-len", str(args.seq_len), "--global-batch", str(micro_batch * args.gpus),
-           "--steps", str(steps), "--seed", str(args.seed), "--data", args.data, "--label", name, "--csv", csv, *flags,
+           "--steps", str(steps), "--seed", str(args.seed), "--data", args.data, "--batching", args.batching,
+           *(["--min-len", str(args.min_len)] if args.min_len else []), "--label", name, "--csv", csv, *flags,
            *(["--zero-stage", str(args.zero_stage)] if args.zero_stage else []),
            *(["--profile-step", str(args.profile_step), "--profile-out", os.path.join(args.out, "profile_" + name)]
              if args.profile_step else [])]
@@ -79,7 +84,8 @@ def run_arm(arm, args, micro_batch, steps, tag, port):
     if summary is not None:
         curve = [tuple(float(v) for v in line.split(",")[:2]) for line in open(csv).read().splitlines()[1:]]
         summary.update(arm=arm, micro_batch=micro_batch, csv=csv, curve=[(int(s), loss) for s, loss in curve])
-        print(f"   {summary['tokens_per_s']:,.0f} tokens/s, peak {max(summary['peak_memory_gib']):.2f} GiB, "
+        print(f"   {summary['tokens_per_s']:,.0f} tokens/s, peak {max(summary['peak_memory_gib']):.2f} GiB "
+              f"(reserved {max(summary.get('peak_reserved_gib') or [0]):.2f}), "
               f"final loss {summary['final_loss']:.4f}", flush=True)
         return summary
     oom = "OutOfMemoryError" in text or "CUDA out of memory" in text
@@ -116,12 +122,12 @@ def largest_batch(arm, first, args, port):
 
 def table(rows, base):
     """Markdown table; `base`: bf16's tokens/s per micro-batch (the "x bf16" column compares at the same one)."""
-    lines = ["| arm | micro-batch | tokens/s | x bf16 | step ms | fwd+bwd host ms | peak GiB | weights | optimizer "
-             "state | master + grad buffers | step transient | final loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| arm | micro-batch | tokens/s | x bf16 | step ms | fwd+bwd host ms | peak GiB | peak reserved GiB | "
+             "weights | optimizer state | master + grad buffers | step transient | final loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['arm']} | {r['micro_batch']} | {r['error']} |" + " |" * 9)
+            lines.append(f"| {r['arm']} | {r['micro_batch']} | {r['error']} |" + " |" * 10)
             continue
         b = r.get("memory_breakdown_gib") or {}
         ref = base.get(r["micro_batch"])
@@ -131,7 +137,8 @@ def table(rows, base):
         host = r.get("median_fwd_bwd_host_ms")
         lines.append(f"| {r['arm']} | {r['micro_batch']} | {r['tokens_per_s']:,.0f} | {speed} | "
                      f"{r['median_step_ms']:.1f} | {'' if host is None else f'{host:.1f}'} | "
-                     f"{max(r['peak_memory_gib']):.2f} | " + " | ".join(cells) + f" | {r['final_loss']:.4f} |")
+                     f"{max(r['peak_memory_gib']):.2f} | {max(r.get('peak_reserved_gib') or [0]):.2f} | "
+                     + " | ".join(cells) + f" | {r['final_loss']:.4f} |")
     return "\n".join(lines)
 
 
@@ -179,6 +186,10 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--data", choices=("bigram", "corpus"), default="bigram",
                    help="launch/train_ds.py's data: synthetic bigram sequences or the standard library corpus")
+    p.add_argument("--batching", choices=("fixed", "padded", "packed"), default="fixed",
+                   help="launch/train_ds.py's batches: fixed lengths, varying lengths padded per micro-batch, packed")
+    p.add_argument("--min-len", type=int, default=None, help="padded / packed: the shortest sample")
+    p.add_argument("--port-base", type=int, default=29600, help="rendezvous ports from here (parallel sweeps)")
     p.add_argument("--gpus", type=int, default=1, help="ranks per arm (data parallel)")
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None)
     p.add_argument("--run-timeout", type=int, default=900)
@@ -200,7 +211,7 @@ def main(argv=None):
         rows = [r for r in json.load(open(args.max_batch_from)) if r.get("arm") in arms and "error" not in r]
         args.max_batch = True
     elif args.micro_batches:
-        port = 29600
+        port = args.port_base
         for micro in (int(m) for m in args.micro_batches.split(",")):
             for arm in arms:
                 port += 1
@@ -208,11 +219,11 @@ def main(argv=None):
     else:
         for i, arm in enumerate(arms):
             steps = args.curve_steps if arm in curve_arms else args.steps
-            rows.append(run_arm(arm, args, args.micro_batch, steps, "fixed", 29600 + i))
+            rows.append(run_arm(arm, args, args.micro_batch, steps, "fixed", args.port_base + i))
     if args.max_batch:
         for i, first in enumerate(list(rows)):
             if "error" not in first:
-                result = largest_batch(first["arm"], first, args, 29650 + i)
+                result = largest_batch(first["arm"], first, args, args.port_base + 50 + i)
                 if result is not None:
                     rows.append(result)
     base = {r["micro_batch"]: r["tokens_per_s"] for r in rows if r.get("arm") == "bf16" and "error" not in r}

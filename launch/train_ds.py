@@ -13,6 +13,11 @@ out of the timing medians): where a host-bound step's time goes.
 The optimizer, ZeRO stage and precision come from the DeepSpeed config; this script only sets the batch sizes
 (`--global-batch` sequences per step, split over the data-parallel ranks) and, with `--lr`, the peak learning rate.
 
+Batches (`--batching`, launch/batches.py): `fixed` (default) samples of --seq-len tokens; `padded` samples of lengths
+drawn in [--min-len, --seq-len], padded to the longest of each micro-batch (DataCollatorWithPadding); `packed` rows of
+--seq-len tokens packed with such samples, position ids restarting at each (DataCollatorWithFlattening per row).
+tokens/s counts real tokens (not padding).
+
 Data (`--data`): `bigram` (default), sequences from a fixed random bigram language (each token has 8 possible
 successors with Zipf weights, about 1.7 nats of entropy); `corpus`, windows of real text: the Python standard
 library's sources and documentation (launch.corpus: BPE 8192, built once and cached; needs a model vocabulary of at
@@ -54,6 +59,11 @@ import time
 
 import numpy as np
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)  # run as a script: `launch` importable
+from launch import batches  # noqa: E402
 
 MODELS = {
     # TinyLlama 1.1B shape
@@ -103,9 +113,6 @@ class CorpusData:
     (seed, global sample index)."""
 
     def __init__(self, model_vocab: int, seq_len: int, seed: int):
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # launch/'s parent: `launch` importable
-        if root not in sys.path:
-            sys.path.insert(0, root)
         from launch import corpus
 
         loaded = corpus.load(log=lambda *a: None)
@@ -137,6 +144,13 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--data", choices=("bigram", "corpus"), default="bigram",
                    help="synthetic bigram sequences, or the standard library corpus (real text)")
+    p.add_argument("--batching", choices=batches.BATCHING, default="fixed",
+                   help="fixed-length samples, samples of varying length padded to the longest of each micro-batch "
+                        "(DataCollatorWithPadding), or rows packed with samples of varying length "
+                        "(DataCollatorWithFlattening per row); launch/batches.py")
+    p.add_argument("--min-len", type=int, default=None,
+                   help="padded / packed: sample lengths are drawn uniformly from [min-len, seq-len] "
+                        "(default seq-len // 2)")
     p.add_argument("--csv", default=None, help="write step,loss,step_s,tokens_per_s here (rank 0; loss exact)")
     p.add_argument("--label", default=None, help="name of the run in the summary")
     p.add_argument("--compile-layers", action="store_true", help="torch.compile each decoder layer (in place)")
@@ -161,6 +175,10 @@ def parse_args(argv=None):
     p.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     args = p.parse_args(argv)
     check_checkpoint_args(p, args)
+    if args.min_len is None:
+        args.min_len = max(1, args.seq_len // 2)
+    if not 1 <= args.min_len <= args.seq_len:
+        p.error(f"--min-len {args.min_len} must be between 1 and --seq-len {args.seq_len}")
     if args.profile_step is not None and not 1 <= args.profile_step <= args.steps:
         p.error(f"--profile-step {args.profile_step} is not one of the steps 1..{args.steps} this run trains")
     return args
@@ -295,12 +313,16 @@ def main(argv=None):
               f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}",
               flush=True)
 
-    rows, step_times, optimizer_times, host_times = [], [], [], []
+    rows, step_times, optimizer_times, host_times, real_tokens = [], [], [], [], []
     csv = open_csv(args.csv) if rank == 0 and args.csv else None
     memory = {}
     for step in range(first_step, args.steps):
         first_sample = position["samples"] + (step - first_step) * args.global_batch
-        tokens = data.sequences(first_sample + rank * micro, micro).to(device)
+        batch = batches.micro_batch(data, args.batching, first_sample + rank * micro, micro, args.seq_len,
+                                    args.min_len, args.seed)
+        step_tokens = torch.tensor(float(batch.pop("real_tokens")), device=device)
+        dist.all_reduce(step_tokens)
+        batch = {k: v.to(device) for k, v in batch.items()}
         sync(device)
         if step == first_step + 1 and device.type == "cuda":  # model states are all allocated after the first step
             memory["before_forward"] = torch.cuda.memory_allocated(device)
@@ -308,7 +330,7 @@ def main(argv=None):
             torch.cuda.reset_peak_memory_stats(device)
         profiler = start_profiler(device) if step + 1 == args.profile_step else None
         start = time.perf_counter()
-        loss = engine(input_ids=tokens[:, :-1], labels=tokens[:, 1:].contiguous()).loss
+        loss = engine(**batch).loss
         engine.backward(loss)
         host_s = time.perf_counter() - start  # until the host has issued forward and backward
         sync(device)
@@ -323,10 +345,11 @@ def main(argv=None):
             host_times.append(host_s)
             optimizer_times.append(optimizer_s)
             step_times.append(step_s)
+            real_tokens.append(step_tokens.item())
         mean_loss = loss.detach().float().clone()
         dist.all_reduce(mean_loss)
         mean_loss = mean_loss.item() / world
-        rows.append((step + 1, mean_loss, step_s, tokens_per_step / step_s))
+        rows.append((step + 1, mean_loss, step_s, step_tokens.item() / step_s))
         if csv:
             csv.write("%d,%r,%.6f,%.1f\n" % rows[-1])  # the loss as Python prints it: the exact value
             csv.flush()
@@ -334,32 +357,42 @@ def main(argv=None):
             report_state(engine, optimizer_state_report, rank, world, dist)
         if rank == 0 and (step < first_step + 5 or (step + 1) % 10 == 0 or step + 1 == args.steps):
             print(f"[train_ds] step {step + 1:5d}  loss {mean_loss:.4f}  step {step_s * 1e3:8.1f} ms  "
-                  f"{tokens_per_step / step_s:9.0f} tokens/s", flush=True)
+                  f"{step_tokens.item() / step_s:9.0f} tokens/s", flush=True)
         if args.save_dir and step + 1 == args.save_at:
             save_checkpoint(engine, args, dict(position, step=step + 1, samples=first_sample + args.global_batch),
                             rank)
 
     if "before_forward" in memory:
         memory["step_peak"] = torch.cuda.max_memory_allocated(device)
+    reserved = [None] * world
+    dist.all_gather_object(reserved, torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0)
     peaks = [None] * world
     dist.all_gather_object(peaks, max(peak_memory_bytes(device), memory.get("first_step_peak", 0)))
     states = [None] * world
     dist.all_gather_object(states, optimizer_state_report(engine))
     model_states = model_state_bytes(engine, device)
     if rank == 0:
-        steady = step_times[min(10, len(step_times) // 2):]
+        first_steady = min(10, len(step_times) // 2)
+        steady = step_times[first_steady:]
         median_s = statistics.median(steady)
+        # fixed: the median step's tokens/s; varying lengths: real tokens per second of the median time per real
+        # token (robust, like the median step, to the steps that compile or capture graphs for a new length)
+        tokens_per_s = (tokens_per_step / median_s if args.batching == "fixed" else 1.0 / statistics.median(
+            t / n for t, n in zip(steady, real_tokens[first_steady:])))
         summary = dict(label=label, model=args.model, params=n_params, ranks=world, global_batch=args.global_batch,
-                       seq_len=args.seq_len, data=args.data, steps=args.steps, first_step=first_step + 1,
+                       seq_len=args.seq_len, data=args.data, batching=args.batching, min_len=args.min_len,
+                       steps=args.steps, first_step=first_step + 1,
                        optimizer=states[0]["optimizer"], grad_checkpointing=args.grad_checkpointing,
                        first_loss=rows[0][1], final_loss=rows[-1][1],
                        mean_loss_last10=statistics.fmean(r[1] for r in rows[-10:]),
-                       median_step_ms=median_s * 1e3, tokens_per_s=tokens_per_step / median_s,
+                       median_step_ms=median_s * 1e3, tokens_per_s=tokens_per_s,
+                       real_tokens_per_step=statistics.fmean(real_tokens[first_steady:]),
                        median_optimizer_step_ms=statistics.median(optimizer_times[min(10, len(step_times) // 2):])
                        * 1e3,
                        median_fwd_bwd_host_ms=statistics.median(host_times[min(10, len(step_times) // 2):]) * 1e3,
                        cpu_peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20,
                        peak_memory_gib=[b / 2 ** 30 for b in peaks],
+                       peak_reserved_gib=[b / 2 ** 30 for b in reserved],
                        optimizer_state_bytes=[s["state_bytes"] for s in states],
                        stepped_numel=[s["stepped_numel"] for s in states],
                        state_bytes_per_element=[round(s["bytes_per_element"], 4) for s in states],
