@@ -329,14 +329,26 @@ def main(argv=None):
             memory["first_step_peak"] = torch.cuda.max_memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         profiler = start_profiler(device) if step + 1 == args.profile_step else None
+        phases = device.type == "cuda" and step + 1 == args.steps  # the last step: peak memory per phase
+        if phases:
+            sync(device)
+            memory["phase_base"] = torch.cuda.memory_allocated(device)
+            memory["peak_before_phases"] = torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         loss = engine(**batch).loss
+        if phases:
+            memory["forward_peak"] = torch.cuda.max_memory_allocated(device)
         engine.backward(loss)
         host_s = time.perf_counter() - start  # until the host has issued forward and backward
         sync(device)
+        if phases:
+            memory["backward_peak"] = torch.cuda.max_memory_allocated(device)
         optimizer_start = time.perf_counter()
         engine.step()
         sync(device)
+        if phases:
+            memory["step_phase_peak"] = torch.cuda.max_memory_allocated(device)
         optimizer_s = time.perf_counter() - optimizer_start
         step_s = time.perf_counter() - start
         if profiler is not None:
@@ -363,11 +375,12 @@ def main(argv=None):
                             rank)
 
     if "before_forward" in memory:
-        memory["step_peak"] = torch.cuda.max_memory_allocated(device)
+        memory["step_peak"] = max(torch.cuda.max_memory_allocated(device), memory.get("peak_before_phases", 0))
     reserved = [None] * world
     dist.all_gather_object(reserved, torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0)
     peaks = [None] * world
-    dist.all_gather_object(peaks, max(peak_memory_bytes(device), memory.get("first_step_peak", 0)))
+    dist.all_gather_object(peaks, max(peak_memory_bytes(device), memory.get("first_step_peak", 0),
+                                      memory.get("peak_before_phases", 0)))
     states = [None] * world
     dist.all_gather_object(states, optimizer_state_report(engine))
     model_states = model_state_bytes(engine, device)
@@ -393,6 +406,8 @@ def main(argv=None):
                        cpu_peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20,
                        peak_memory_gib=[b / 2 ** 30 for b in peaks],
                        peak_reserved_gib=[b / 2 ** 30 for b in reserved],
+                       last_step_phase_peaks_gib={k: memory[k] / 2 ** 30 for k in (
+                           "phase_base", "forward_peak", "backward_peak", "step_phase_peak") if k in memory},
                        optimizer_state_bytes=[s["state_bytes"] for s in states],
                        stepped_numel=[s["stepped_numel"] for s in states],
                        state_bytes_per_element=[round(s["bytes_per_element"], 4) for s in states],

@@ -1,0 +1,139 @@
+"""Where the memory of per-layer CUDA graphs goes, against eager COAT, on one GPU without DeepSpeed: a converted Llama
+(TinyLlama 1.1B widths, --layers of them) trained with SGD at one micro-batch and length, then at more lengths.
+
+Prints, per arm: the memory allocated between steps, what one step adds at its peak, the peak; for the graphs, the
+pool's segments and what each generation holds by kind (the autograd graphs' saved tensors, buffers), counted once
+per storage.
+
+    python benchmarks/graph_memory.py [--layers 4] [--micro-batch 8] [--seq 2048] [--lengths 1536,1792]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+
+from coat_hf import ActivationConfig, convert_to_coat
+
+GIB = 2.0 ** 30
+
+
+def build(layers, seq):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
+                      num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=seq,
+                      attn_implementation="sdpa", use_cache=False, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+
+
+def replays(model) -> int:
+    pool = model.coat_runtime.graph_pool
+    return sum(c.replays for gen in pool.generations.values() for c in gen.order)
+
+
+def run(model, steps, batch, lengths, padded_row=False):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    rows = []
+    for i in range(steps):
+        n = lengths[i % len(lengths)]
+        ids = torch.randint(0, 32000, (batch, n), device="cuda", generator=g)
+        mask = torch.ones_like(ids)
+        if padded_row:  # the last row 64 tokens shorter: a 4-D mask
+            mask[-1, -64:] = 0
+        before = replays(model) if model.coat_runtime.graph_pool.generations else 0
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+        end.record()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        rows.append(dict(length=n, held=held / GIB, peak=torch.cuda.max_memory_allocated() / GIB,
+                         reserved=torch.cuda.memory_reserved() / GIB, ms=start.elapsed_time(end),
+                         replays=(replays(model) - before) if model.coat_runtime.graph_pool.generations else 0))
+    return rows
+
+
+def storages_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def graph_saved(node) -> list:
+    out, seen, stack = [], set(), [node]
+    while stack:
+        n = stack.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        try:  # (a parameter stepped in place since the capture fails the version check; its storage is a weight)
+            if isinstance(n, torch.autograd.function.BackwardCFunction):
+                out += list(n.saved_tensors)
+            else:
+                out += [getattr(n, a) for a in dir(n) if a.startswith("_saved_")]
+        except RuntimeError:
+            pass
+        stack.extend(f for f, _ in n.next_functions)
+    return out
+
+
+def held_by_kind(model) -> dict:
+    pool = model.coat_runtime.graph_pool
+    kinds = {}
+    for gen in pool.generations.values():
+        for name, owner in gen.held.items():
+            kind = name if isinstance(name, str) else name[0]
+            tensors = graph_saved(owner) if kind == "graph" else (owner if isinstance(owner, list) else [owner])
+            kinds[kind] = kinds.get(kind, 0) + storages_bytes(tensors) / GIB
+    handle = tuple(pool.handle)
+    kinds["pool segments"] = sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+                                 if tuple(s.get("segment_pool_id", ())) == handle) / GIB
+    return kinds
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--lengths", default="1536,1792", help="then steps at these lengths too")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--mask", action="store_true", help="one row padded: a 4-D attention mask")
+    args = p.parse_args()
+    base = build(args.layers, args.seq)
+    more = [int(n) for n in args.lengths.split(",") if n]
+    for arm, options in (("coat eager", {}), ("coat graphs", {"cuda_graphs": True})):
+        model = convert_to_coat(copy.deepcopy(base), ActivationConfig(cache_weights=False, **options))
+        rows = run(model, args.steps, args.micro_batch, [args.seq], args.mask)
+        print(f"== {arm}, {args.layers} layers, micro-batch {args.micro_batch} x {args.seq}")
+        for r in rows:
+            print(f"  length {r['length']}: held {r['held']:.2f} GiB, step peak {r['peak']:.2f} (adds "
+                  f"{r['peak'] - r['held']:.2f}), reserved {r['reserved']:.2f}, {r['ms']:.1f} ms, "
+                  f"{r['replays']} layer replays")
+        if options:
+            print("  held by kind (GiB):", {k: round(v, 3) for k, v in held_by_kind(model).items()})
+        if more:
+            rows = run(model, len(more) * 2, args.micro_batch, more, args.mask)
+            for r in rows:
+                print(f"  length {r['length']}: held {r['held']:.2f}, peak {r['peak']:.2f}, reserved "
+                      f"{r['reserved']:.2f}, {r['ms']:.1f} ms, {r['replays']} layer replays")
+            if options:
+                print("  held by kind after more lengths (GiB):",
+                      {k: round(v, 3) for k, v in held_by_kind(model).items()})
+        del model
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
