@@ -72,7 +72,8 @@ def run_arm(arm, args, micro_batch, steps, tag, port):
            str(port), os.path.join(ROOT, "launch", "train_ds.py"), "--ds-config", os.path.join(ROOT, config),
            "--model", args.model, "--seq-len", str(args.seq_len), "--global-batch", str(micro_batch * args.gpus),
            "--steps", str(steps), "--seed", str(args.seed), "--data", args.data, "--batching", args.batching,
-           *(["--min-len", str(args.min_len)] if args.min_len else []), "--label", name, "--csv", csv, *flags,
+           *(["--min-len", str(args.min_len)] if args.min_len else []),
+           "--pad-to-multiple-of", str(args.pad_to_multiple_of), "--label", name, "--csv", csv, *flags,
            *(["--zero-stage", str(args.zero_stage)] if args.zero_stage else []),
            *(["--profile-step", str(args.profile_step), "--profile-out", os.path.join(args.out, "profile_" + name)]
              if args.profile_step else [])]
@@ -189,6 +190,7 @@ def main(argv=None):
     p.add_argument("--batching", choices=("fixed", "padded", "packed"), default="fixed",
                    help="launch/train_ds.py's batches: fixed lengths, varying lengths padded per micro-batch, packed")
     p.add_argument("--min-len", type=int, default=None, help="padded / packed: the shortest sample")
+    p.add_argument("--pad-to-multiple-of", type=int, default=1, help="padded: each micro-batch's length rounded up")
     p.add_argument("--port-base", type=int, default=29600, help="rendezvous ports from here (parallel sweeps)")
     p.add_argument("--gpus", type=int, default=1, help="ranks per arm (data parallel)")
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None)

@@ -24,15 +24,17 @@ def window_length(seed: int, index: int, min_len: int, seq_len: int) -> int:
     return int(np.random.default_rng((seed, 7, index)).integers(min_len, seq_len + 1))
 
 
-def micro_batch(data, batching: str, first_index: int, count: int, seq_len: int, min_len: int, seed: int) -> dict:
-    """Model inputs for samples first_index .. first_index + count - 1, plus `real_tokens` (int)."""
+def micro_batch(data, batching: str, first_index: int, count: int, seq_len: int, min_len: int, seed: int,
+                pad_to_multiple_of: int = 1) -> dict:
+    """Model inputs for samples first_index .. first_index + count - 1, plus `real_tokens` (int). padded: the
+    longest sample's length rounded up to `pad_to_multiple_of` (DataCollatorWithPadding's option of that name)."""
     if batching == "fixed":
         tokens = data.sequences(first_index, count)
         return dict(input_ids=tokens[:, :-1], labels=tokens[:, 1:].contiguous(), real_tokens=count * seq_len)
     if batching == "padded":
         windows = [data.sequences(first_index + i, 1)[0, :window_length(seed, first_index + i, min_len, seq_len)]
                    for i in range(count)]
-        longest = max(len(w) for w in windows)
+        longest = -(-max(len(w) for w in windows) // pad_to_multiple_of) * pad_to_multiple_of
         ids = torch.zeros(count, longest, dtype=torch.long)
         mask = torch.zeros(count, longest, dtype=torch.long)
         for i, w in enumerate(windows):

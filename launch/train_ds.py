@@ -151,6 +151,9 @@ def parse_args(argv=None):
     p.add_argument("--min-len", type=int, default=None,
                    help="padded / packed: sample lengths are drawn uniformly from [min-len, seq-len] "
                         "(default seq-len // 2)")
+    p.add_argument("--pad-to-multiple-of", type=int, default=1,
+                   help="padded: round each micro-batch's length up to a multiple of this (FP8 GEMMs of torchao "
+                        "need 16)")
     p.add_argument("--csv", default=None, help="write step,loss,step_s,tokens_per_s here (rank 0; loss exact)")
     p.add_argument("--label", default=None, help="name of the run in the summary")
     p.add_argument("--compile-layers", action="store_true", help="torch.compile each decoder layer (in place)")
@@ -319,7 +322,7 @@ def main(argv=None):
     for step in range(first_step, args.steps):
         first_sample = position["samples"] + (step - first_step) * args.global_batch
         batch = batches.micro_batch(data, args.batching, first_sample + rank * micro, micro, args.seq_len,
-                                    args.min_len, args.seed)
+                                    args.min_len, args.seed, args.pad_to_multiple_of)
         step_tokens = torch.tensor(float(batch.pop("real_tokens")), device=device)
         dist.all_reduce(step_tokens)
         batch = {k: v.to(device) for k, v in batch.items()}
