@@ -71,22 +71,29 @@ def pool_bytes(model) -> int:
     return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == handle)
 
 
-def test_a_graphed_layer_gives_the_eager_layers_bits():
-    """The same layer, the same inputs and output gradient, at a bucket's own length: the replayed graphs run the
-    eager kernels."""
-    eager, _ = model_pair()
-    layer = eager.model.layers[1]
-    x = torch.randn(2, SEQ, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    rotary = eager.model.rotary_emb(x, torch.arange(SEQ, device="cuda")[None])
+def layer_runs(model, layer, length, graphs_per_run):
+    """[output, input gradient, parameter gradients...] of one layer's forward and backward on fixed random inputs,
+    once per entry of graphs_per_run (cuda_graphs off or on)."""
+    x = torch.randn(2, length, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    rotary = model.model.rotary_emb(x, torch.arange(length, device="cuda")[None])
     dy = torch.randn_like(x)
     runs = []
-    for graphs in (False, True, True, True):
+    for graphs in graphs_per_run:
         layer.coat.config = layer.coat.config.replace(cuda_graphs=graphs)
         x.grad = None
         layer.zero_grad(set_to_none=True)
         out = layer(x, position_embeddings=rotary)
         out.backward(dy)
         runs.append([out.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in layer.parameters()])
+    return runs
+
+
+def test_a_graphed_layer_gives_the_eager_layers_bits():
+    """The same layer, the same inputs and output gradient, at a bucket's own length: the replayed graphs run the
+    eager kernels."""
+    eager, _ = model_pair()
+    layer = eager.model.layers[1]
+    runs = layer_runs(eager, layer, SEQ, (False, True, True, True))
     assert sum(c.replays for c in layer.coat.graphs.captures.values()) == 3
     names = ["out", "dx"] + [n for n, _ in layer.named_parameters()]
     for run in runs[1:]:
@@ -99,17 +106,7 @@ def test_a_padded_replay_gives_the_unpadded_eager_layer():
     zero rows may round differently); the padded rows of the graph's buffers stay zero."""
     eager, _ = model_pair()
     layer = eager.model.layers[0]
-    x = torch.randn(2, 200, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    rotary = eager.model.rotary_emb(x, torch.arange(200, device="cuda")[None])
-    dy = torch.randn_like(x)
-    runs = []
-    for graphs in (False, True, True):
-        layer.coat.config = layer.coat.config.replace(cuda_graphs=graphs)
-        x.grad = None
-        layer.zero_grad(set_to_none=True)
-        out = layer(x, position_embeddings=rotary)
-        out.backward(dy)
-        runs.append([out.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in layer.parameters()])
+    runs = layer_runs(eager, layer, 200, (False, True, True))
     (capture,) = layer.coat.graphs.captures.values()
     assert capture.replays == 2 and capture.length == 256
     assert not capture.output[:, 200:].any() and not capture.grads[0][:, 200:].any()
