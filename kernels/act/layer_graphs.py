@@ -30,8 +30,10 @@ What keeps replays right:
   backward has not run: two forwards before a backward, a loss never backpropagated but still referenced) runs
   eagerly, as does a second call of the same layer before its backward. Captures happen only in a generation's
   first forward pass, in the order the layers run.
-- Outputs are views of graph buffers, overwritten by later replays: a call while an output handed out before the
-  previous layer's is still referenced runs eagerly, so no live result is overwritten.
+- Outputs are views of graph buffers, overwritten by later replays: a call while an output whose buffer went back to
+  the pool (any layer's but the generation's latest capture) is still referenced, other than the input being fed
+  in, runs eagerly, so no live result is overwritten. The latest capture's output is overwritten by its own next
+  replay, as a single graphed layer's always is.
 - Inputs are copied into the graph's input buffer (padded rows zeroed), unless they are the previous layer's output
   buffer, which is then the input buffer itself: consecutive graphed layers pass activations without a copy.
 - Capture runs `warmup` eager forward + backward passes first (on a side stream, `torch.autograd.grad`, so nothing
