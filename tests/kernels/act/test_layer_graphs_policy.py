@@ -1,7 +1,9 @@
 """What GraphedLayer decides before any CUDA graph exists, checked on CPU with the capture itself replaced: at most
-`max_shapes` input signatures get graphs (others run eagerly, with one warning per model), captures made for
-parameter addresses that changed are released, and the limit comes from ActivationConfig / the ds_config section.
-The graphs themselves are checked on the GPU (tests/gpu/test_layer_graphs_gpu.py)."""
+`max_generations` buckets get graphs (others run eagerly, with one warning per model); a new bucket takes the memory
+of the others; only one bucket is in flight, and a layer whose previous call's backward is pending runs eagerly;
+moved parameters make the pool capture anew once nothing is in flight, as does a layer missing from a generation; the
+options come from ActivationConfig / the ds_config section. The graphs themselves are checked on the GPU
+(tests/gpu/test_layer_graphs_gpu.py)."""
 import warnings
 from types import SimpleNamespace
 
@@ -10,66 +12,108 @@ import torch
 
 from coat_ds.ds_config import parse_section
 from coat_kernels.act import ActivationConfig
-from coat_kernels.act.layer_graphs import GraphPool, GraphedLayer
+from coat_kernels.act.layer_graphs import GraphPool, GraphedLayer, SharedInputs, _Token
+
+SHARED = SharedInputs(("none",), (), lambda sources, n, out=None: [] if out is None else out)
 
 
 def fake_captures(monkeypatch):
-    """Replace the CUDA capture by a record of what would have been captured."""
+    """Replace the CUDA capture by a record of what would have been captured, holding a placeholder buffer."""
     made = []
 
-    def capture(self, inputs, pool_handle):
-        made.append(tuple(tuple(t.shape) for t in inputs))
-        return SimpleNamespace(output=torch.empty(1), pending=None, pool_handle=pool_handle)
+    def capture(self, gen, x, n, length, shared):
+        made.append((tuple(x.shape), length))
+        gen.shared = gen.shared if gen.shared is not None else []
+        index = len(gen.order)
+        gen.hold(("output", index), torch.empty(1))
+        c = SimpleNamespace(generation=gen, pending=None, holds_output=True, length=length, replays=0,
+                            param_ptrs=tuple(p.data_ptr() for p in self.params))
+        gen.captures[self] = c
+        gen.order.append(c)
+        return c
 
     monkeypatch.setattr(GraphedLayer, "_capture", capture)
-    monkeypatch.setattr(GraphPool, "handle", "shared pool")
-    monkeypatch.setattr(GraphedLayer, "_new_pool_handle", staticmethod(lambda: "own pool"))
     return made
 
 
-def graphed(pool=None, max_shapes=2):
-    module = torch.nn.Linear(4, 4)
-    return module, GraphedLayer(lambda x: module(x), module, pool=pool or GraphPool(), max_shapes=max_shapes)
-
-
-def test_shapes_beyond_the_limit_run_eagerly_and_warn_once_per_model(monkeypatch):
-    made = fake_captures(monkeypatch)
+def layers(count=2, max_generations=2):
     pool = GraphPool()
-    (_, first), (_, second) = graphed(pool), graphed(pool)
+    modules = [torch.nn.Linear(4, 4) for _ in range(count)]
+    return pool, modules, [GraphedLayer(lambda x: x, m, pool=pool, max_generations=max_generations) for m in modules]
+
+
+def call(layer, length, bucket):
+    """What GraphedLayer.__call__ decides for x [1, length, 4] in `bucket`: the capture to replay, or None."""
+    gen = layer.pool.generation((bucket,), layer.max_generations, [(1, length, 4)])
+    return None if gen is None else layer._capture_for(gen, torch.zeros(1, length, 4), length, bucket, SHARED)
+
+
+def test_buckets_beyond_the_limit_run_eagerly_and_warn_once_per_model(monkeypatch):
+    made = fake_captures(monkeypatch)
+    pool, _, (first, second) = layers()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for layer in (first, second):
-            for length in (8, 16, 8, 24, 32, 16):
-                capture = layer._capture_for([torch.zeros(1, length, 4)])
-                assert (capture is None) == (length in (24, 32))
-    assert made == [((1, 8, 4),), ((1, 16, 4),)] * 2
+        for length, bucket in ((100, 128), (200, 256), (120, 128), (300, 384), (400, 512), (250, 256)):
+            for layer in (first, second):
+                assert (call(layer, length, bucket) is None) == (bucket > 256)
+    assert made == [((1, 100, 4), 128)] * 2 + [((1, 200, 4), 256)] * 2
     messages = [str(w.message) for w in caught if "cuda_graph_shapes" in str(w.message)]
-    assert len(messages) == 1 and "[(1, 24, 4)]" in messages[0] and "2 it keeps" in messages[0], messages
+    assert len(messages) == 1 and "[(1, 300, 4)]" in messages[0] and "beyond the 2" in messages[0], messages
 
 
-def test_moved_parameters_release_the_old_captures_and_capture_into_a_pool_of_their_own(monkeypatch):
-    """A layer capturing again after its parameters moved comes after the layers behind it in the shared pool but
-    replays before them: its graphs go to a pool of its own, so they cannot reuse those layers' temporary memory."""
+def test_a_new_bucket_takes_the_memory_of_the_others_and_one_bucket_is_in_flight(monkeypatch):
+    fake_captures(monkeypatch)
+    pool, _, (first, second) = layers(max_generations=4)
+    a = call(first, 100, 128)
+    call(second, 100, 128)
+    gen_a = a.generation
+    assert len(gen_a.held) == 2 and not gen_a.closed
+    token = _Token(a)  # a replay of bucket 128 whose backward is pending
+    assert call(second, 200, 256) is None  # another bucket while 128 is in flight: eager
+    assert call(first, 100, 128) is None  # the same layer again before its backward: eager
+    assert call(second, 100, 128) is not None  # the next layer of the same step replays
+    token.finish()
+    b = call(first, 200, 256)
+    assert b is not None and gen_a.closed and not gen_a.held and not a.holds_output  # 128's memory given back
+    assert call(first, 100, 128) is a  # closed generations still replay
+
+
+def test_moved_parameters_make_the_pool_capture_anew_once_nothing_is_in_flight(monkeypatch):
     made = fake_captures(monkeypatch)
-    module, layer = graphed(max_shapes=2)
-    x = torch.zeros(2, 4)
-    old = layer._capture_for([x])
-    assert old.pool_handle == "shared pool"
-    layer.pool.outputs[old.output.data_ptr()] = old.output
+    pool, modules, (first, second) = layers()
+    call(first, 100, 128)
+    old = call(second, 100, 128)
     with torch.no_grad():
-        module.weight.data = module.weight.data.clone()  # a new storage: the old graphs can never replay
-    new = layer._capture_for([x])
-    assert new is not None and new is not old and len(made) == 2
-    assert list(layer.captures.values()) == [new] and old.output.data_ptr() not in layer.pool.outputs
-    assert new.pool_handle == "own pool" and layer._capture_for([torch.zeros(3, 4)]).pool_handle == "own pool"
+        modules[1].weight.data = modules[1].weight.data.clone()  # a new storage: its graphs can never replay
+    token = _Token(call(first, 100, 128))
+    assert call(second, 100, 128) is None and pool.reset_requested  # eager now; not while a replay is in flight
+    token.finish()
+    new = call(first, 100, 128)  # nothing in flight: every generation dropped, captured anew
+    assert new is not None and not pool.reset_requested and len(made) == 3
+    assert call(second, 100, 128) not in (None, old) and len(made) == 4
 
 
-def test_the_limit_is_a_validated_option_of_the_config_and_the_ds_config_section():
-    assert ActivationConfig().cuda_graph_shapes == 4
-    section = parse_section({"coat": {"fp8_activations": True, "cuda_graphs": True, "cuda_graph_shapes": 8}})
-    assert section.activation_config(zero_stage=2, gradient_accumulation_steps=1).cuda_graph_shapes == 8
-    for bad, error in ((0, ValueError), (True, TypeError), (2.0, TypeError), ("4", TypeError)):
-        with pytest.raises(error, match="cuda_graph_shapes"):
-            ActivationConfig(cuda_graph_shapes=bad)
-        with pytest.raises(error, match="cuda_graph_shapes"):
-            parse_section({"coat": {"cuda_graph_shapes": bad}})
+def test_a_layer_missing_from_its_generation_captures_it_anew(monkeypatch):
+    made = fake_captures(monkeypatch)
+    pool, _, (first, second) = layers()
+    a = call(first, 100, 128)  # `second` ran eagerly in the generation's first pass
+    a.generation.sealed = True  # (its first backward ran)
+    token = _Token(call(first, 100, 128))
+    assert call(second, 100, 128) is None and a.generation.rebuild  # not while `first` is in flight
+    token.finish()
+    fresh = call(first, 100, 128)
+    assert fresh is not a and call(second, 100, 128) is not None and len(made) == 3
+
+
+def test_the_options_are_validated_in_the_config_and_the_ds_config_section():
+    assert ActivationConfig().cuda_graph_shapes == 32 and ActivationConfig().cuda_graph_pad_multiple == 128
+    section = parse_section({"coat": {"fp8_activations": True, "cuda_graphs": True, "cuda_graph_shapes": 8,
+                                      "cuda_graph_pad_multiple": 64}})
+    config = section.activation_config(zero_stage=2, gradient_accumulation_steps=1)
+    assert config.cuda_graph_shapes == 8 and config.cuda_graph_pad_multiple == 64
+    for name in ("cuda_graph_shapes", "cuda_graph_pad_multiple"):
+        for bad, error in ((0, ValueError), (True, TypeError), (2.0, TypeError), ("4", TypeError)):
+            with pytest.raises(error, match=name):
+                ActivationConfig(**{name: bad})
+            with pytest.raises(error, match=name):
+                parse_section({"coat": {name: bad}})
