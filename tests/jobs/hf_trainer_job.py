@@ -65,3 +65,6 @@ def main(out_dir, max_steps, resume=None, coat=False):
 if __name__ == "__main__":
     argv = [a for a in sys.argv[1:] if a != "--coat"]
     main(argv[0], int(argv[1]), argv[2] if len(argv) > 2 else None, coat="--coat" in sys.argv)
+    from rank_helpers import end_rank_process
+
+    end_rank_process()  # not interpreter finalization: gloo's threads abort it now and then (see rank_helpers)
