@@ -15,6 +15,7 @@ import copy
 import torch
 
 from coat_hf import ActivationConfig, convert_to_coat
+from coat_kernels.act.saved_tensors import saved_by_graph
 
 GIB = 2.0 ** 30
 
@@ -70,31 +71,16 @@ def storages_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def graph_saved(node) -> list:
-    out, seen, stack = [], set(), [node]
-    while stack:
-        n = stack.pop()
-        if n is None or n in seen:
-            continue
-        seen.add(n)
-        try:  # (a parameter stepped in place since the capture fails the version check; its storage is a weight)
-            if isinstance(n, torch.autograd.function.BackwardCFunction):
-                out += list(n.saved_tensors)
-            else:
-                out += [getattr(n, a) for a in dir(n) if a.startswith("_saved_")]
-        except RuntimeError:
-            pass
-        stack.extend(f for f, _ in n.next_functions)
-    return out
-
-
 def held_by_kind(model) -> dict:
     pool = model.coat_runtime.graph_pool
     kinds = {}
     for gen in pool.generations.values():
         for name, owner in gen.held.items():
             kind = name if isinstance(name, str) else name[0]
-            tensors = graph_saved(owner) if kind == "graph" else (owner if isinstance(owner, list) else [owner])
+            if kind == "graph":
+                tensors = saved_by_graph(owner, skip_stale=True)
+            else:
+                tensors = owner if isinstance(owner, list) else [owner]
             kinds[kind] = kinds.get(kind, 0) + storages_bytes(tensors) / GIB
     handle = tuple(pool.handle)
     kinds["pool segments"] = sum(s["total_size"] for s in torch.cuda.memory_snapshot()

@@ -16,10 +16,11 @@ a new tensor: o_proj then saves the E4M3 copy (1 byte per element).
 """
 from __future__ import annotations
 
-import functools
 import sys
 
 import torch
+
+from coat_kernels.act.saved_tensors import saved_by_node
 
 from .causal_lm import CACHE_NAMES
 
@@ -92,17 +93,4 @@ def output_kept(o: torch.Tensor, impl: str | None) -> bool:
     if node is None:
         return False
     storage = o.untyped_storage().data_ptr()
-    return any(t.untyped_storage().data_ptr() == storage for t in _saved_tensors(node))
-
-
-def _saved_tensors(node) -> list:
-    if isinstance(node, torch.autograd.function.BackwardCFunction):  # a Python autograd Function's context
-        return list(node.saved_tensors)
-    values = (getattr(node, name) for name in _saved_names(type(node)))
-    return [t for t in values if isinstance(t, torch.Tensor)]
-
-
-@functools.lru_cache(maxsize=None)
-def _saved_names(node_type) -> tuple:
-    """The `_saved_*` attributes of a C++ autograd node type (the tensors and values it saved)."""
-    return tuple(name for name in dir(node_type) if name.startswith("_saved_"))
+    return any(t.untyped_storage().data_ptr() == storage for t in saved_by_node(node))

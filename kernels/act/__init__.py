@@ -4,8 +4,8 @@ GEMM inputs, E5M2 for gradients, 1x16 E4M3 groups for what non-linear layers con
 Modules: `config` (ActivationConfig), `runtime` (CoatRuntime: what a model's blocks share), `modules` (nn.Modules
 with TransformerEngine's names), `functional` and `fused_mlp` (the autograd blocks, sharing `block_parts`),
 `compiled_ops` (the same blocks as torch.library custom ops, which they dispatch to under torch.compile),
-`layer_graphs` (per-layer CUDA graphs), `weights` (FP8 weights once per optimizer step),
-and the kernels, each with its torch reference: `group_quant` (1x16), `tensor_quant` (per-tensor), `scaling` (stage-2
+`layer_graphs` (per-layer CUDA graphs), `saved_tensors` (what an autograd graph saved), `weights` (FP8 weights once
+per optimizer step), and the kernels, each with its torch reference: `group_quant` (1x16), `tensor_quant` (per-tensor), `scaling` (stage-2
 scale protocol), `handoff` (gradient amaxes between blocks), `norm`, `swiglu`, `rope`, `pointwise`, `gemm`, `tiles`
 (Triton helpers).
 """

@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .saved_tensors import saved_by_graph
+
 
 def unowned(t: torch.Tensor) -> torch.Tensor:
     """A tensor over t's memory that does not keep it allocated (t's memory can be given back to its pool while the
@@ -388,7 +390,7 @@ class GraphedLayer:
         if previous is not None:
             last = index - 1
             gen.give_back(("grad_output", last))
-            if not (takes_previous and _saved_storage(output, x_static.untyped_storage().data_ptr())):
+            if not (takes_previous and _saves_storage(output, x_static)):
                 gen.give_back(("output", last))
         gen.captures[self] = capture
         gen.order.append(capture)
@@ -403,22 +405,10 @@ def _pad_rows(x: torch.Tensor, length: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(x.shape[0], length - n, *x.shape[2:])], 1)
 
 
-def _saved_storage(output: torch.Tensor, storage_ptr: int) -> bool:
-    """Whether any node of output's autograd graph saved a tensor on the storage at storage_ptr."""
-    seen, stack = set(), [output.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
-            saved = list(node.saved_tensors)
-        else:
-            saved = [getattr(node, a) for a in dir(node) if a.startswith("_saved_")]
-        if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == storage_ptr for t in saved):
-            return True
-        stack.extend(fn for fn, _ in node.next_functions)
-    return False
+def _saves_storage(output: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether output's autograd graph saved a tensor on t's storage."""
+    storage = t.untyped_storage().data_ptr()
+    return any(s.untyped_storage().data_ptr() == storage for s in saved_by_graph(output.grad_fn))
 
 
 @contextmanager
