@@ -5,9 +5,9 @@ Modules: `config` (ActivationConfig), `runtime` (CoatRuntime: what a model's blo
 with TransformerEngine's names), `functional` and `fused_mlp` (the autograd blocks, sharing `block_parts`),
 `compiled_ops` (the same blocks as torch.library custom ops, which they dispatch to under torch.compile),
 `layer_graphs` (per-layer CUDA graphs), `saved_tensors` (what an autograd graph saved), `weights` (FP8 weights once
-per optimizer step), and the kernels, each with its torch reference: `group_quant` (1x16), `tensor_quant` (per-tensor), `scaling` (stage-2
-scale protocol), `handoff` (gradient amaxes between blocks), `norm`, `swiglu`, `rope`, `pointwise`, `gemm`, `tiles`
-(Triton helpers).
+per optimizer step), and the kernels, each with its torch reference: `group_quant` (1x16), `tensor_quant`
+(per-tensor), `scaling` (stage-2 scale protocol), `handoff` (gradient amaxes between blocks), `norm`, `swiglu`,
+`rope`, `pointwise`, `gemm`, `tiles` (Triton helpers).
 """
 from .config import ActivationConfig
 from .functional import (fp8_add_norm_linear, fp8_gelu, fp8_linear, fp8_norm_linear, fp8_silu, fp8_swiglu,
