@@ -18,11 +18,12 @@ drawn in [--min-len, --seq-len], padded to the longest of each micro-batch (Data
 --seq-len tokens packed with such samples, position ids restarting at each (DataCollatorWithFlattening per row).
 tokens/s counts real tokens (not padding).
 
-Data (`--data`): `bigram` (default), sequences from a fixed random bigram language (each token has 8 possible
-successors with Zipf weights, about 1.7 nats of entropy); `corpus`, windows of real text: the Python standard
-library's sources and documentation (launch.corpus: BPE 8192, built once and cached; needs a model vocabulary of at
-least 8192). Either is a deterministic function of (seed, global sample index): with the same --global-batch, runs
-on 1 and on 2 GPUs see identical global batches, so their loss curves are comparable step by step.
+Data (`--data`, launch/token_data.py): `bigram` (default), sequences from a fixed random bigram language (each token
+has 8 possible successors with Zipf weights, about 1.7 nats of entropy); `corpus`, windows of real text: the Python
+standard library's sources and documentation (launch.corpus: BPE 8192, built once and cached; needs a model
+vocabulary of at least 8192). Either is a deterministic function of (seed, global sample index): with the same
+--global-batch, runs on 1 and on 2 GPUs see identical global batches, so their loss curves are comparable step by
+step.
 
 Checkpoints (DeepSpeed's own `save_checkpoint` / `load_checkpoint`):
     --save-dir DIR [--save-at STEP]   after step STEP (default: the last, --steps) save DIR/stepSTEP; the client state
@@ -57,13 +58,13 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # run as a script: `launch` importable
-from launch import batches  # noqa: E402
+from launch import batches, ds_memory  # noqa: E402
+from launch.token_data import BigramData, CorpusData  # noqa: E402
 
 MODELS = {
     # TinyLlama 1.1B shape
@@ -84,51 +85,6 @@ MODELS = {
     "tiny-fp8": dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2),
 }
-
-
-class BigramData:
-    """Synthetic token sequences: token t is followed by one of SUCCESSORS fixed random tokens, Zipf-weighted."""
-    SUCCESSORS = 8
-
-    def __init__(self, vocab: int, seq_len: int, seed: int):
-        rng = np.random.default_rng(seed)
-        self.vocab, self.seq_len, self.seed = vocab, seq_len, seed
-        self.successors = rng.integers(0, vocab, size=(vocab, self.SUCCESSORS))
-        weights = 1.0 / np.arange(1, self.SUCCESSORS + 1)
-        self.cdf = np.cumsum(weights / weights.sum())
-
-    def sequences(self, first_index: int, count: int) -> torch.Tensor:
-        """int64 [count, seq_len + 1] for global sample indices first_index .. first_index + count - 1."""
-        rngs = [np.random.default_rng((self.seed, first_index + i)) for i in range(count)]
-        choices = np.stack([np.searchsorted(self.cdf, r.random(self.seq_len)) for r in rngs])
-        out = np.empty((count, self.seq_len + 1), dtype=np.int64)
-        out[:, 0] = [r.integers(0, self.vocab) for r in rngs]
-        for t in range(self.seq_len):
-            out[:, t + 1] = self.successors[out[:, t], choices[:, t]]
-        return torch.from_numpy(out)
-
-
-class CorpusData:
-    """Windows of seq_len + 1 tokens of the standard library corpus's training split, each at an offset drawn from
-    (seed, global sample index)."""
-
-    def __init__(self, model_vocab: int, seq_len: int, seed: int):
-        from launch import corpus
-
-        loaded = corpus.load(log=lambda *a: None)
-        if loaded.vocab_size > model_vocab:
-            raise SystemExit(f"--data corpus has a vocabulary of {loaded.vocab_size} tokens, more than the model's "
-                             f"{model_vocab}: pick a --model with a vocabulary of at least {loaded.vocab_size}")
-        self.tokens = loaded.train
-        if len(self.tokens) <= seq_len + 1:
-            raise SystemExit(f"--seq-len {seq_len} is longer than the corpus ({len(self.tokens)} tokens)")
-        self.seq_len, self.seed = seq_len, seed
-
-    def sequences(self, first_index: int, count: int) -> torch.Tensor:
-        """int64 [count, seq_len + 1] for global sample indices first_index .. first_index + count - 1."""
-        high = len(self.tokens) - self.seq_len - 1
-        starts = [int(np.random.default_rng((self.seed, first_index + i)).integers(0, high)) for i in range(count)]
-        return torch.from_numpy(np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts]).astype(np.int64))
 
 
 def parse_args(argv=None):
@@ -265,12 +221,6 @@ def build_model(name: str, seq_len: int, device: torch.device, seed: int):
         return LlamaForCausalLM(cfg)
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # CPU: peak resident set
-
-
 def main(argv=None):
     args = parse_args(argv)
     import deepspeed
@@ -382,11 +332,11 @@ def main(argv=None):
     reserved = [None] * world
     dist.all_gather_object(reserved, torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0)
     peaks = [None] * world
-    dist.all_gather_object(peaks, max(peak_memory_bytes(device), memory.get("first_step_peak", 0),
+    dist.all_gather_object(peaks, max(ds_memory.peak_memory_bytes(device), memory.get("first_step_peak", 0),
                                       memory.get("peak_before_phases", 0)))
     states = [None] * world
     dist.all_gather_object(states, optimizer_state_report(engine))
-    model_states = model_state_bytes(engine, device)
+    model_states = ds_memory.model_state_bytes(engine, device)
     if rank == 0:
         first_steady = min(10, len(step_times) // 2)
         steady = step_times[first_steady:]
@@ -414,8 +364,8 @@ def main(argv=None):
                        optimizer_state_bytes=[s["state_bytes"] for s in states],
                        stepped_numel=[s["stepped_numel"] for s in states],
                        state_bytes_per_element=[round(s["bytes_per_element"], 4) for s in states],
-                       memory_breakdown_gib=breakdown(memory, model_states,
-                                                      0 if offloaded(config) else states[0]["state_bytes"]))
+                       memory_breakdown_gib=ds_memory.breakdown(
+                           memory, model_states, 0 if ds_memory.offloaded(config) else states[0]["state_bytes"]))
         for r in range(world):
             print(f"[train_ds] rank {r}: peak memory {peaks[r] / 2 ** 30:.2f} GiB, optimizer state "
                   f"{states[r]['state_bytes'] / 2 ** 30:.3f} GiB", flush=True)
@@ -488,51 +438,6 @@ def apply_peer_options(model, args):
     if args.compile_layers or args.torchao_float8:
         for layer in model.model.layers:
             layer.compile()
-
-
-def offloaded(config: dict) -> bool:
-    """Whether ZeRO keeps the optimizer (master weights and states) in CPU memory or on NVMe."""
-    return (config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none") != "none"
-
-
-def model_state_bytes(engine, device: torch.device) -> dict:
-    """Bytes of model states this rank holds on `device`, from the tensors themselves: the weights as DeepSpeed
-    keeps them (bf16; this rank's partitions under ZeRO-3); the ZeRO master weights where they are tensors of their
-    own (0 when offloaded, or when the optimizer steps the weights themselves: CoatFP8AdamW with master remainders);
-    CoatFP8AdamW's master remainders (part of its optimizer state)."""
-    def nbytes(t):
-        return t.numel() * t.element_size()
-
-    params = list(engine.module.parameters())
-    shards = [p.ds_tensor if hasattr(p, "ds_tensor") else p for p in params]
-    storages = {t.untyped_storage().data_ptr() for t in shards}
-    wrapper = engine.optimizer
-    masters = getattr(wrapper, "single_partition_of_fp32_groups", None) or \
-        getattr(wrapper, "fp32_partitioned_groups_flat", None) or []
-    remainders = [s["master_remainder"] for s in getattr(engine.basic_optimizer, "state", {}).values()
-                  if "master_remainder" in s]
-    return dict(weights=sum(nbytes(t) for t in shards if t.device == device),
-                master_weights=sum(nbytes(m) for m in masters if m.device == device and m.numel()
-                                   and m.untyped_storage().data_ptr() not in storages),
-                master_remainders=sum(nbytes(r) for r in remainders if r.device == device))
-
-
-def breakdown(memory: dict, model_states: dict, optimizer_state_bytes: int) -> dict:
-    """Rank 0's GPU memory in GiB, measured before step 2's forward (what is held between steps) and at its peak:
-    weights (model_state_bytes); optimizer state on the GPU (moments, metadata and master remainders; 0 when
-    offloaded), of which master remainders; the other model states held between steps: master weights (a separate
-    fp32 or bf16 partition, unless offloaded or stepped in place) and gradient and other buffers (the rest); what one
-    step adds at its peak (activations saved for backward, gradients, logits, temporaries)."""
-    if "before_forward" not in memory:
-        return {}
-    gib = 2.0 ** 30
-    held = memory["before_forward"]
-    rest = held - model_states["weights"] - optimizer_state_bytes
-    return dict(weights=model_states["weights"] / gib, optimizer_state=optimizer_state_bytes / gib,
-                master_remainders=model_states["master_remainders"] / gib, master_and_grad_buffers=rest / gib,
-                master_weights=model_states["master_weights"] / gib,
-                gradient_and_other_buffers=(rest - model_states["master_weights"]) / gib,
-                step_transient=(memory["step_peak"] - held) / gib, step_peak=memory["step_peak"] / gib)
 
 
 def open_csv(path):

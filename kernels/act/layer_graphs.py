@@ -91,14 +91,14 @@ class GraphPool:
 
     def generation(self, key, max_generations: int, shapes) -> "Generation | None":
         """The generation of bucket `key` (made now if new and within max_generations; else None, with one warning
-        per model)."""
+        per model naming `shapes()`, the call's input shapes)."""
         if self.reset_requested and not self.in_flight():
             self.reset()
         gen = self.generations.get(key)
         if gen is None:
             if len(self.generations) >= max_generations:
                 self.warn_once("limit", f"coat-fp8: a layer with per-layer CUDA graphs was called with input shapes "
-                               f"{shapes}, a bucket beyond the {max_generations} whose graphs a model keeps "
+                               f"{shapes()}, a bucket beyond the {max_generations} whose graphs a model keeps "
                                f'(ActivationConfig.cuda_graph_shapes; ds_config "coat": {{"cuda_graph_shapes": N}}); '
                                "calls in further buckets run eagerly (same results, the eager host cost). Raise the "
                                "limit, or the padding multiple (cuda_graph_pad_multiple) so that fewer buckets cover "
@@ -292,7 +292,7 @@ class GraphedLayer:
         cannot run (see the module docstring): the caller then runs the layer eagerly."""
         n = x.shape[1]
         key = (tuple(x.shape[:1]) + (length,) + tuple(x.shape[2:]), x.dtype, x.requires_grad, shared.key)
-        gen = self.pool.generation(key, self.max_generations, [tuple(x.shape)] + [
+        gen = self.pool.generation(key, self.max_generations, lambda: [tuple(x.shape)] + [
             tuple(s.shape) for s in shared.sources if s is not None])
         capture = None if gen is None else self._capture_for(gen, x, n, length, shared)
         if capture is None:
@@ -323,10 +323,12 @@ class GraphedLayer:
                 return None
             gen = pool.restart(gen)
         pool.open(gen)
-        if gen.shared is not None:
-            gen.fill(shared, n)
+        first = gen.shared is None  # the generation's first capture allocates the shared inputs
+        if not first:
+            gen.fill(shared, n)  # the warm-up reads them
         capture = self._capture(gen, x, n, length, shared)
-        gen.fill(shared, n)
+        if first:
+            gen.fill(shared, n)
         return capture
 
     def _capture(self, gen: Generation, x, n, length, shared) -> _Capture:

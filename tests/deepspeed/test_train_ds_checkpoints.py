@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import train_ds_runs as runs
+from launch.token_data import CorpusData
 
 # The same training on 1 and on 2 ranks differs: FP8 activations take per-tensor scales over each rank's micro-batch
 # (2 sequences or 4), the gradient reduction adds in another order, and the optimizer's FP8 groups are cut at other
@@ -117,11 +118,11 @@ def test_corpus_data_is_a_function_of_seed_and_sample_index(train_ds, monkeypatc
     fake = corpus.Corpus(train=np.arange(10_000, dtype=np.uint32), val=np.arange(100, dtype=np.uint32),
                          vocab_size=8192, directory=Path("."), meta={})
     monkeypatch.setattr(corpus, "load", lambda **kwargs: fake)
-    data = train_ds.CorpusData(32000, 16, seed=3)
+    data = CorpusData(32000, 16, seed=3)
     batch = data.sequences(10, 4)
     assert batch.shape == (4, 17) and batch.dtype == torch.int64
     assert torch.equal(batch[2:], data.sequences(12, 2))
     assert (batch[:, 1:] - batch[:, :-1] == 1).all()
-    assert not torch.equal(train_ds.CorpusData(32000, 16, seed=4).sequences(10, 4), batch)
+    assert not torch.equal(CorpusData(32000, 16, seed=4).sequences(10, 4), batch)
     with pytest.raises(SystemExit, match="vocabulary of 8192 tokens, more than the model's 512"):
-        train_ds.CorpusData(512, 16, seed=3)
+        CorpusData(512, 16, seed=3)

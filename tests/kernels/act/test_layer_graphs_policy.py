@@ -44,7 +44,7 @@ def layers(count=2, max_generations=2):
 
 def call(layer, length, bucket):
     """What GraphedLayer.__call__ decides for x [1, length, 4] in `bucket`: the capture to replay, or None."""
-    gen = layer.pool.generation((bucket,), layer.max_generations, [(1, length, 4)])
+    gen = layer.pool.generation((bucket,), layer.max_generations, lambda: [(1, length, 4)])
     return None if gen is None else layer._capture_for(gen, torch.zeros(1, length, 4), length, bucket, SHARED)
 
 
