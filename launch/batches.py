@@ -44,13 +44,13 @@ def micro_batch(data, batching: str, first_index: int, count: int, seq_len: int,
     if batching == "packed":
         rows, positions = [], []
         for i in range(count):
-            row, pos, j = [], [], 0
-            while sum(len(w) for w in row) < seq_len:
+            row, pos, filled, j = [], [], 0, 0
+            while filled < seq_len:
                 index = (first_index + i) * WINDOWS_PER_ROW + j
-                take = min(window_length(seed, index, min_len, seq_len), seq_len - sum(len(w) for w in row))
+                take = min(window_length(seed, index, min_len, seq_len), seq_len - filled)
                 row.append(data.sequences(index, 1)[0, :take])
                 pos.append(torch.arange(take))
-                j += 1
+                filled, j = filled + take, j + 1
             rows.append(torch.cat(row))
             positions.append(torch.cat(pos))
         ids, position_ids = torch.stack(rows), torch.stack(positions)
