@@ -17,9 +17,7 @@ import torch
 from coat_kernels.optim import state_report
 
 from . import engine_hooks, full_optimizer_state, master_partitions
-from .optimizer import CoatFP8AdamW
-
-OPTIMIZER_NAME = "CoatFP8AdamW"
+from .optimizer import OPTIMIZER_NAME, CoatFP8AdamW
 
 
 def register_with_deepspeed() -> None:

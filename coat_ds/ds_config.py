@@ -1,60 +1,66 @@
 """The `"coat"` section of a ds_config: COAT's FP8 activations switched on by configuration alone.
 
     "coat": {"fp8_activations": true}
-    "coat": {"fp8_activations": true, "cache_weights": "auto", "fprop_fast_accum": false, "chunked_loss": true,
+    "coat": {"fp8_activations": true, "cache_weights": "auto", "chunked_loss": true, "fprop_fast_accum": false,
              "backend": "auto", "cuda_graphs": false, "cuda_graph_pad_multiple": 128, "cuda_graph_shapes": 32}
 
+The section's own keys:
 fp8_activations: convert the model (a Hugging Face Llama-family decoder, coat_hf) before DeepSpeed wraps it.
 cache_weights: keep both FP8 copies of each weight between optimizer steps ("auto": when gradient accumulation has
-more than one micro-batch per step and ZeRO is below stage 3, where the copies would undo ZeRO-3's partitioning);
-fprop_fast_accum, backend, cuda_graphs: coat_kernels.act.ActivationConfig (cuda_graphs: each decoder layer's forward
-and backward replayed as CUDA graphs, for ZeRO-0/1/2; under ZeRO-3 the layers run eagerly; cuda_graph_pad_multiple: the
-sequence padded inside each graphed layer to a multiple of this; cuda_graph_shapes: for how many length buckets);
+more than one micro-batch per step and ZeRO is below stage 3, where the copies would undo ZeRO-3's partitioning).
 chunked_loss: the LM head + cross-entropy in chunks.
-Unknown keys and wrong types are errors naming the valid ones. DeepSpeed ignores top-level keys it does not know, so
+Every other key is an option of coat_kernels.act.ActivationConfig (backend, fprop_fast_accum, cuda_graphs, ...: the
+dataclass's fields, so a new option is accepted here as it is added there) and is handed to it unchanged.
+Unknown keys and wrong types are errors naming the valid keys. DeepSpeed ignores top-level keys it does not know, so
 a top-level key that looks like a misspelt "coat" ("COAT", "Coat", "coat_fp8", "coat-config", "caot") is an error
 too: without it the model would train in BF16 without a word.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coat_kernels.act import ActivationConfig
-from coat_kernels.options import check_bool, check_int, from_mapping
+from coat_kernels.options import check_bool, check_names
 
 SECTION = "coat"
 WHERE = f'ds_config "{SECTION}": '
+OWN_KEYS = ("fp8_activations", "cache_weights", "chunked_loss")
+# ActivationConfig's options, less cache_weights, which the section owns (it adds "auto")
+ACTIVATION_KEYS = tuple(f.name for f in dataclasses.fields(ActivationConfig) if f.name not in OWN_KEYS)
 
 
 @dataclass(frozen=True)
 class CoatSection:
     fp8_activations: bool = False
     cache_weights: bool | str = "auto"
-    fprop_fast_accum: bool = False
     chunked_loss: bool = True
-    backend: str = "auto"
-    cuda_graphs: bool = False
-    cuda_graph_pad_multiple: int = 128
-    cuda_graph_shapes: int = 32
+    activation: ActivationConfig = field(default_factory=ActivationConfig)  # from the section's other keys
 
     def __post_init__(self):
-        for name in ("fp8_activations", "fprop_fast_accum", "chunked_loss", "cuda_graphs"):
+        for name in ("fp8_activations", "chunked_loss"):
             check_bool(name, getattr(self, name), WHERE, spelled="true or false")
-        check_int("cuda_graph_pad_multiple", self.cuda_graph_pad_multiple, WHERE, minimum=1)
-        check_int("cuda_graph_shapes", self.cuda_graph_shapes, WHERE, minimum=1)
         if self.cache_weights != "auto" and not isinstance(self.cache_weights, bool):
-            raise TypeError(f'ds_config "coat": cache_weights must be "auto", true or false, got '
-                            f"{self.cache_weights!r}")
-        ActivationConfig(backend=self.backend)  # validates the backend
+            raise TypeError(f'{WHERE}cache_weights must be "auto", true or false, got {self.cache_weights!r}')
+
+    @classmethod
+    def from_dict(cls, section: dict) -> "CoatSection":
+        """The section's own keys kept, every other valid key handed to ActivationConfig (validated there)."""
+        check_names(section, OWN_KEYS + ACTIVATION_KEYS, f'ds_config "{SECTION}" key(s)')
+        own = {k: v for k, v in section.items() if k in OWN_KEYS}
+        options = {k: v for k, v in section.items() if k not in OWN_KEYS}
+        try:
+            activation = ActivationConfig.from_options(options)
+        except (TypeError, ValueError) as exc:  # name the section: the message is ActivationConfig's
+            raise type(exc)(f"{WHERE}{exc}") from exc
+        return cls(**own, activation=activation)
 
     def activation_config(self, zero_stage: int, gradient_accumulation_steps: int) -> ActivationConfig:
         cache = self.cache_weights
         if cache == "auto":
             cache = gradient_accumulation_steps > 1 and zero_stage < 3
-        return ActivationConfig(backend=self.backend, fprop_fast_accum=self.fprop_fast_accum, cache_weights=cache,
-                                cuda_graphs=self.cuda_graphs, cuda_graph_pad_multiple=self.cuda_graph_pad_multiple,
-                                cuda_graph_shapes=self.cuda_graph_shapes)
+        return self.activation.replace(cache_weights=cache)
 
 
 def looks_like_section_name(key) -> bool:
@@ -84,4 +90,4 @@ def parse_section(ds_config: dict | None) -> CoatSection | None:
     section = ds_config[SECTION]
     if not isinstance(section, dict):
         raise TypeError(f'ds_config "coat" must be an object like {{"fp8_activations": true}}, got {section!r}')
-    return from_mapping(CoatSection, section, f'ds_config "{SECTION}" key(s)')
+    return CoatSection.from_dict(section)

@@ -22,7 +22,8 @@ import logging
 
 import torch
 
-OPTIMIZER_NAME = "CoatFP8AdamW"
+from .optimizer import OPTIMIZER_NAME, CoatFP8AdamW
+
 logger = logging.getLogger("coat_ds")
 
 
@@ -52,7 +53,7 @@ def convert_for_section(model, ds_config: dict | None, config_class) -> bool:
 
     stage = config_class.zero_optimization_stage if config_class is not None else 0
     accumulation = config_class.gradient_accumulation_steps if config_class is not None else 1
-    if section.cuda_graphs and stage == 3:
+    if section.activation.cuda_graphs and stage == 3:
         logger.warning('ds_config "coat": "cuda_graphs": true has no effect under ZeRO-3: its parameters are gathered '
                        "by module hooks around each layer, which a graph replay would bypass, so the decoder layers "
                        "run eagerly (graphs apply under ZeRO-0/1/2)")
@@ -66,7 +67,6 @@ def finish_engine(engine) -> None:
     from coat_hf import coat_runtime
     from coat_hf.causal_lm import CoatCausalLM
     from coat_hf.decoder import CoatDecoderLayer
-    from .optimizer import CoatFP8AdamW
 
     wrapper = getattr(engine, "optimizer", None)
     if isinstance(getattr(engine, "basic_optimizer", None), CoatFP8AdamW) and \

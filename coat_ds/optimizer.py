@@ -15,6 +15,8 @@ from coat_kernels.optim import CoatFP8AdamW as _CoatFP8AdamW
 
 from . import zero_segments
 
+OPTIMIZER_NAME = "CoatFP8AdamW"  # the ds_config "optimizer" "type", and the class's name in torch.optim
+
 
 class CoatFP8AdamW(_CoatFP8AdamW):
     __doc__ = _CoatFP8AdamW.__doc__

@@ -75,3 +75,50 @@ def test_cuda_graphs_under_zero3_are_named_as_having_no_effect(stage, caplog):
     named = [r for r in caplog.records if "cuda_graphs" in r.getMessage() and "ZeRO-3" in r.getMessage()]
     assert len(named) == (1 if stage == 3 else 0)
     assert model.model.layers[0].coat.config.cuda_graphs
+
+
+# A value other than the default for every ActivationConfig option the section hands on
+ACTIVATION_VALUES = {"backend": "torch", "fprop_fast_accum": True, "transposed_weights": "backward",
+                     "cuda_graphs": True, "cuda_graph_pad_multiple": 64, "cuda_graph_shapes": 8}
+
+
+def test_every_activation_config_option_reaches_the_activation_config():
+    """The section keeps fp8_activations, cache_weights and chunked_loss; each other ActivationConfig field is a key
+    of the section, handed to ActivationConfig as given."""
+    import dataclasses
+
+    from coat_kernels.act import ActivationConfig
+
+    fields = {f.name for f in dataclasses.fields(ActivationConfig)} - {"cache_weights"}
+    assert set(ACTIVATION_VALUES) == fields, "give the new ActivationConfig field a non-default value here"
+    default = ActivationConfig()
+    for name, value in ACTIVATION_VALUES.items():
+        assert getattr(default, name) != value
+        section = parse_section({"coat": {"fp8_activations": True, name: value}})
+        config = section.activation_config(zero_stage=2, gradient_accumulation_steps=1)
+        assert config == default.replace(**{name: value}, cache_weights=False), name
+    section = parse_section({"coat": {"fp8_activations": True, "cache_weights": True, **ACTIVATION_VALUES}})
+    assert section.activation_config(3, 1) == ActivationConfig(**ACTIVATION_VALUES, cache_weights=True)
+
+
+def test_an_unknown_key_is_an_error_naming_every_valid_key():
+    import dataclasses
+
+    from coat_kernels.act import ActivationConfig
+
+    with pytest.raises(ValueError, match=r"unknown ds_config \"coat\" key\(s\) \['cuda_graph'\]") as caught:
+        parse_section({"coat": {"fp8_activations": True, "cuda_graph": True}})
+    valid = str(caught.value).split("valid: ")[1].split(", ")
+    assert valid[:3] == ["fp8_activations", "cache_weights", "chunked_loss"]
+    assert set(valid) == {"fp8_activations", "chunked_loss"} | {f.name for f in dataclasses.fields(ActivationConfig)}
+    assert "did you mean 'cuda_graph' -> 'cuda_graphs'" in str(caught.value)
+
+
+@pytest.mark.parametrize("key, value, error", [
+    ("fp8_activations", "true", TypeError), ("chunked_loss", 1, TypeError), ("cache_weights", "yes", TypeError),
+    ("fprop_fast_accum", "false", TypeError), ("cuda_graph_shapes", 8.0, TypeError), ("cuda_graphs", 1, TypeError),
+    ("backend", "cuda", ValueError), ("transposed_weights", "later", ValueError),
+    ("cuda_graph_pad_multiple", 0, ValueError)])
+def test_a_wrong_value_is_an_error_naming_the_section_and_the_key(key, value, error):
+    with pytest.raises(error, match=f'^ds_config "coat": {key} must be .*{value!r}'):
+        parse_section({"coat": {"fp8_activations": True, key: value}})
