@@ -205,8 +205,11 @@ class CoatFP8AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # Every group is checked and planned before anything is written: a step that raises leaves parameters,
-        # moments and steps as they were.
+        # moments, steps and the kept plans as they were.
         prepared = [self._prepare_group(index, group) for index, group in enumerate(self.param_groups)]
+        for group, work in zip(self.param_groups, prepared):
+            if work is not None:
+                self._plans[id(group)] = work[0]
         before = self.skipped_groups if self.config.nonfinite == "error" else 0
         for work in prepared:
             if work is not None:
@@ -231,7 +234,7 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         if plan is None or plan.signature != signature or not all(
                 self.state[p] is st and not self._needs_new_entry(p, st) and self._layouts.get(p) is layout
                 for p, st, layout in zip(params, plan.states, plan.layouts)):
-            plan = self._plans[id(group)] = self._plan(index, group, params, signature, cfg)
+            plan = self._plan(index, group, params, signature, cfg)
         for i, (p, st, update) in enumerate(zip(params, plan.states, plan.updates)):
             # state tensors may have been replaced since the plan (offloading engines swap them)
             if update is None and _state_tensors(st) != plan.tensors[i]:
@@ -243,7 +246,8 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         scalars_by_step: dict[float, AdamWScalars] = {}
         scalars = []
         for st, update, where in zip(plan.states, plan.updates, plan.wheres):
-            step = reference.f32(float((st if update is None else update)["step"]) + 1.0)
+            # a new entry made from fp32 moments or completed by a remainder keeps the entry's own step
+            step = reference.f32(float((update if update is not None and "step" in update else st)["step"]) + 1.0)
             if not 1.0 <= step < math.inf:
                 coat_state.check_step(step - 1.0, where)
             if step not in scalars_by_step:
@@ -257,6 +261,7 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         for i, (st, update) in enumerate(zip(plan.states, plan.updates)):
             if update is not None:
                 _commit(st, update)
+                self._layouts[plan.params[i]] = plan.layouts[i]
                 plan.updates[i] = None
             st["step"] += 1
         by_kernel: dict = {}
@@ -366,8 +371,9 @@ class CoatFP8AdamW(torch.optim.Optimizer):
     def _init_state(self, p, group, group_index, where):
         """Store p's entry as the next step would make it (see _new_entry)."""
         state = self.state[p]
-        update, _ = self._new_entry(p, state, self.group_config(group), group_index, where)
+        update, layout = self._new_entry(p, state, self.group_config(group), group_index, where)
         _commit(state, update)
+        self._layouts[p] = layout
 
     def _new_entry(self, p, state, cfg, group_index, where) -> tuple[dict, GroupLayout]:
         """(what to store in p's entry, its layout), computed without changing the entry: a fresh zero state on p's
@@ -392,7 +398,6 @@ class CoatFP8AdamW(torch.optim.Optimizer):
                 raise coat_state.StateError(f"{where}: {exc}") from None
         if coat_state.needs_remainder(self.config, p.dtype) and REMAINDER not in state:
             update[REMAINDER] = coat_state.zero_remainder(p.numel(), p.device)
-        self._layouts[p] = layout
         return update, layout
 
     def _layout(self, p, state, where):
