@@ -8,32 +8,23 @@ the modes that cannot carry FP8 states (elastic checkpoints, NVMe optimizer swap
 where DeepSpeed does not hand the optimizer bf16 master partitions; DeepSpeed's per-parameter optimizer-state
 functions (`safe_get_full_optimizer_state`, ...) answer in fp32 moments (coat_ds.full_optimizer_state). With master
 remainders the ZeRO optimizer, once built, steps the model's bf16 partitions and loads universal checkpoints exactly
-(coat_ds.master_partitions).
+(coat_ds.master_partitions). Every DeepSpeed internal coat_ds changes or reads is listed in coat_ds.patch_sites.
 """
 from __future__ import annotations
 
-import torch
-
 from coat_kernels.optim import state_report
 
-from . import engine_hooks, full_optimizer_state, master_partitions
-from .optimizer import OPTIMIZER_NAME, CoatFP8AdamW
+from . import engine_hooks, full_optimizer_state, master_partitions, patch_sites
+from .optimizer import CoatFP8AdamW
 
 
 def register_with_deepspeed() -> None:
-    """Idempotent. Needs deepspeed importable (it is imported here)."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.runtime.zero import utils as zero_utils
-
-    existing = getattr(torch.optim, OPTIMIZER_NAME, None)
-    if existing is not None and existing is not CoatFP8AdamW:
-        raise RuntimeError(f"torch.optim.{OPTIMIZER_NAME} is already {existing!r}; not replacing it")
-    setattr(torch.optim, OPTIMIZER_NAME, CoatFP8AdamW)
-    if CoatFP8AdamW not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
-        zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(CoatFP8AdamW)
-    _guard_engine_config(DeepSpeedEngine)
-    _own_bf16_masters(DeepSpeedEngine)
-    engine_hooks.install(DeepSpeedEngine)
+    """Idempotent. Needs deepspeed importable (it is imported here). Each change is a site of coat_ds.patch_sites."""
+    patch_sites.set_value(patch_sites.TORCH_OPTIM_CLASS, CoatFP8AdamW)
+    patch_sites.append_member(patch_sites.ZERO_SUPPORTED, CoatFP8AdamW)
+    patch_sites.wrap(patch_sites.SANITY_CHECK, _checking_engine_config)
+    patch_sites.wrap(patch_sites.CONFIGURE_ZERO, _owning_bf16_masters)
+    engine_hooks.install()
     full_optimizer_state.install()
 
 
@@ -62,28 +53,22 @@ def check_engine_config(engine, optimizer=None) -> None:
             'gradients). Without those DeepSpeed keeps fp32 masters itself: drop "master_remainders".')
 
 
-def _guard_engine_config(engine_cls) -> None:
-    """Run check_engine_config when the engine picks the ZeRO/bf16 wrapper for a CoatFP8AdamW (before it is built)."""
-    original = engine_cls._do_optimizer_sanity_check
-    if getattr(original, "_coat_guard", False):
-        return
+def _checking_engine_config(original):
+    """DeepSpeedEngine._do_optimizer_sanity_check that runs check_engine_config when the engine picks the ZeRO/bf16
+    wrapper for a CoatFP8AdamW (before it is built)."""
 
     def _do_optimizer_sanity_check(self, basic_optimizer):
         if isinstance(basic_optimizer, CoatFP8AdamW):
             check_engine_config(self, basic_optimizer)
         return original(self, basic_optimizer)
 
-    _do_optimizer_sanity_check._coat_guard = True
-    _do_optimizer_sanity_check.__wrapped__ = original
-    engine_cls._do_optimizer_sanity_check = _do_optimizer_sanity_check
+    return _do_optimizer_sanity_check
 
 
-def _own_bf16_masters(engine_cls) -> None:
-    """Once the ZeRO optimizer around a CoatFP8AdamW with master remainders is built: it steps the model's bf16
-    partitions in place of DeepSpeed's master clones, and universal-checkpoint loads stay exact."""
-    original = engine_cls._configure_zero_optimizer
-    if getattr(original, "_coat_bf16_masters", False):
-        return
+def _owning_bf16_masters(original):
+    """DeepSpeedEngine._configure_zero_optimizer after which the ZeRO optimizer around a CoatFP8AdamW with master
+    remainders steps the model's bf16 partitions in place of DeepSpeed's master clones, and universal-checkpoint
+    loads stay exact."""
 
     def _configure_zero_optimizer(self, optimizer):
         zero_optimizer = original(self, optimizer)
@@ -93,9 +78,7 @@ def _own_bf16_masters(engine_cls) -> None:
             master_partitions.exact_universal_load(zero_optimizer, stage)
         return zero_optimizer
 
-    _configure_zero_optimizer._coat_bf16_masters = True
-    _configure_zero_optimizer.__wrapped__ = original
-    engine_cls._configure_zero_optimizer = _configure_zero_optimizer
+    return _configure_zero_optimizer
 
 
 def optimizer_state_report(engine) -> dict:

@@ -1,6 +1,6 @@
 """What coat_ds adds to every DeepSpeedEngine, whichever way it is built (`deepspeed.initialize`, accelerate, the HF
-Trainer), by wrapping `DeepSpeedEngine.__init__` once (idempotent; subclasses such as the pipeline and hybrid
-engines run it through `super().__init__`):
+Trainer), by wrapping `DeepSpeedEngine.__init__` once (coat_ds.patch_sites.ENGINE_INIT; subclasses such as the
+pipeline and hybrid engines run it through `super().__init__`):
 
 - before DeepSpeed's own check of the ds_config's optimizer type, a near miss of "CoatFP8AdamW" (a wrong case, a
   typo) fails with the right name instead of DeepSpeed's "is not a supported DeepSpeed Optimizer";
@@ -17,11 +17,11 @@ engines run it through `super().__init__`):
 from __future__ import annotations
 
 import difflib
-import functools
 import logging
 
 import torch
 
+from . import patch_sites
 from .optimizer import OPTIMIZER_NAME, CoatFP8AdamW
 
 logger = logging.getLogger("coat_ds")
@@ -92,12 +92,12 @@ def finish_engine(engine) -> None:
                 register_external_parameter(module, module.lm_head.weight)
 
 
-def install(engine_cls) -> None:
-    original = engine_cls.__init__
-    if getattr(original, "coat_fp8_wrapped", False):
-        return
+def install() -> None:
+    """Idempotent: wrap DeepSpeedEngine.__init__ (coat_ds.patch_sites.ENGINE_INIT)."""
+    patch_sites.wrap(patch_sites.ENGINE_INIT, _with_coat)
 
-    @functools.wraps(original)
+
+def _with_coat(original):
     def __init__(self, *args, **kwargs):
         config_class = kwargs.get("config_class")
         if config_class is not None:
@@ -108,5 +108,4 @@ def install(engine_cls) -> None:
         original(self, *args, **kwargs)
         finish_engine(self)  # also for a model converted by the user before deepspeed.initialize
 
-    __init__.coat_fp8_wrapped = True
-    engine_cls.__init__ = __init__
+    return __init__

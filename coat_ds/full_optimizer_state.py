@@ -2,7 +2,8 @@
 
 `deepspeed.utils.safe_get_full_optimizer_state(param, key)` and its siblings look for fp32 state tensors shaped like
 the flat partition; CoatFP8AdamW keeps FP8 codes and per-group metadata instead. `install()` (run by
-`register_with_deepspeed`) wraps the four functions in `deepspeed.utils` and `deepspeed.utils.tensor_fragment`:
+`register_with_deepspeed`) wraps the four functions in `deepspeed.utils` and `deepspeed.utils.tensor_fragment`
+(coat_ds.patch_sites.GET_FULL_STATE, ...):
 
 - `safe_get_full_optimizer_state(param, "exp_avg" | "exp_avg_sq")`: the parameter's fp32 moment, assembled from the
   ranks' partitions (a collective, as in DeepSpeed). The values quantize back to the codes they came from, so
@@ -29,6 +30,7 @@ import torch
 
 from coat_kernels.optim import state as coat_state
 
+from . import patch_sites
 from .optimizer import CoatFP8AdamW
 
 MOMENT_KEYS = coat_state.MOMENTS
@@ -36,22 +38,9 @@ MOMENT_KEYS = coat_state.MOMENTS
 
 def install() -> None:
     """Idempotent: wrap DeepSpeed's four per-parameter optimizer-state functions where DeepSpeed exports them."""
-    import importlib
-
-    import deepspeed.utils
-
-    tensor_fragment = importlib.import_module("deepspeed.utils.tensor_fragment")  # the attribute is the dataclass
-
-    replacements = {"safe_get_full_optimizer_state": get_full, "safe_set_full_optimizer_state": set_full,
-                    "safe_get_local_optimizer_state": get_local, "safe_set_local_optimizer_state": set_local}
-    for name, ours in replacements.items():
-        original = getattr(tensor_fragment, name)
-        if getattr(original, "coat_fp8_wrapped", False):
-            continue
-        wrapper = functools.wraps(original)(functools.partial(ours, original))
-        wrapper.coat_fp8_wrapped = True
-        setattr(tensor_fragment, name, wrapper)
-        setattr(deepspeed.utils, name, wrapper)
+    for site, ours in ((patch_sites.GET_FULL_STATE, get_full), (patch_sites.SET_FULL_STATE, set_full),
+                       (patch_sites.GET_LOCAL_STATE, get_local), (patch_sites.SET_LOCAL_STATE, set_local)):
+        patch_sites.wrap(site, functools.partial(functools.partial, ours))
 
 
 # ---- ZeRO-1/2: parameters with a fragment table (`_hp_mapping`) --------------------------------------------------

@@ -17,16 +17,16 @@ exact (coat_kernels.optim.master_remainders) and no fp32 copy of the weights exi
   CoatFP8AdamW the fp32 moments and the exact masters (bf16 partition + remainder). `coat_ds.to_universal` writes
   the joined fp32 masters into the universal checkpoint.
 
-DeepSpeed 0.19.8 internals used here: ZeRO-1/2 `single_partition_of_fp32_groups`, `parallel_partitioned_bit16_groups`,
-`real_dp_process_group`, `_link_all_hp_params`, `load_hp_checkpoint_state_from_checkpoint_dir` and `state_dict`'s
-`single_partition_of_fp32_groups`; ZeRO-3 `fp32_partitioned_groups_flat`, `fp16_partitioned_groups_flat`,
-`state_dict`'s `fp32_flat_groups`, `_set_fp32_optimizer_param_groups` /
-`_clear_fp32_optimizer_param_groups` and `load_hp_checkpoint_state_from_checkpoint_dir_stage3` (pinned by
-tests/deepspeed/test_deepspeed_remainders.py).
+The DeepSpeed internals used here are entries of coat_ds.patch_sites (MASTER_STATE_DICT, UNIVERSAL_LOAD_1_2,
+UNIVERSAL_LOAD_3, and the ZeRO-1/2 and ZeRO-3 master partitions among its INTERNALS).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from . import patch_sites
 
 SINGLE_PARTITION_OF_FP32_GROUPS = "single_partition_of_fp32_groups"
 FP32_FLAT_GROUPS = "fp32_flat_groups"
@@ -70,50 +70,52 @@ def _check_same_layout(master, own, where):
 def _save_master_copies(zero_optimizer, key) -> None:
     """The ZeRO optimizer's state_dict with its master partitions (state_dict()[key]) as copies: views of the bf16
     buffers would save those whole."""
-    original_state_dict = zero_optimizer.state_dict
 
-    def state_dict():
-        sd = original_state_dict()
-        sd[key] = [t.clone() for t in sd[key]]
-        return sd
+    def copying_masters(original_state_dict):
+        def state_dict():
+            sd = original_state_dict()
+            sd[key] = [t.clone() for t in sd[key]]
+            return sd
 
-    zero_optimizer.state_dict = state_dict
+        return state_dict
+
+    patch_sites.wrap_instance(patch_sites.MASTER_STATE_DICT, zero_optimizer, copying_masters)
 
 
 def exact_universal_load(zero_optimizer, stage: int) -> None:
     """Make this ZeRO optimizer's universal-checkpoint load exact for bf16 masters with remainders (see the module)."""
     if stage == 3:
-        original = zero_optimizer.load_hp_checkpoint_state_from_checkpoint_dir_stage3
+        patch_sites.wrap_instance(patch_sites.UNIVERSAL_LOAD_3, zero_optimizer,
+                                  lambda original: functools.partial(_load_stage3, zero_optimizer, original))
+    else:
+        patch_sites.wrap_instance(patch_sites.UNIVERSAL_LOAD_1_2, zero_optimizer,
+                                  lambda original: functools.partial(_load_stage_1_2, zero_optimizer, original))
 
-        def load_stage3(checkpoint_dir):
-            masters = list(zero_optimizer.fp32_partitioned_groups_flat)
-            stand_ins = [_fp32_stand_in(m) for m in masters]
-            zero_optimizer.fp32_partitioned_groups_flat[:] = stand_ins
-            try:
-                original(checkpoint_dir)
-            finally:
-                zero_optimizer.fp32_partitioned_groups_flat[:] = masters
-            zero_optimizer._set_fp32_optimizer_param_groups()
-            try:
-                _hand_over(zero_optimizer.optimizer, masters, stand_ins)
-            finally:
-                zero_optimizer._clear_fp32_optimizer_param_groups()
 
-        zero_optimizer.load_hp_checkpoint_state_from_checkpoint_dir_stage3 = load_stage3
-        return
-    original = zero_optimizer.load_hp_checkpoint_state_from_checkpoint_dir
-
-    def load(lp_groups_name, checkpoint_dir):
-        masters = list(zero_optimizer.single_partition_of_fp32_groups)
-        stand_ins = [_fp32_stand_in(m) for m in masters]
-        _set_masters(zero_optimizer, stand_ins)
-        try:
-            original(lp_groups_name, checkpoint_dir)
-        finally:
-            _set_masters(zero_optimizer, masters)
+def _load_stage3(zero_optimizer, original, checkpoint_dir):
+    masters = list(zero_optimizer.fp32_partitioned_groups_flat)
+    stand_ins = [_fp32_stand_in(m) for m in masters]
+    zero_optimizer.fp32_partitioned_groups_flat[:] = stand_ins
+    try:
+        original(checkpoint_dir)
+    finally:
+        zero_optimizer.fp32_partitioned_groups_flat[:] = masters
+    zero_optimizer._set_fp32_optimizer_param_groups()
+    try:
         _hand_over(zero_optimizer.optimizer, masters, stand_ins)
+    finally:
+        zero_optimizer._clear_fp32_optimizer_param_groups()
 
-    zero_optimizer.load_hp_checkpoint_state_from_checkpoint_dir = load
+
+def _load_stage_1_2(zero_optimizer, original, lp_groups_name, checkpoint_dir):
+    masters = list(zero_optimizer.single_partition_of_fp32_groups)
+    stand_ins = [_fp32_stand_in(m) for m in masters]
+    _set_masters(zero_optimizer, stand_ins)
+    try:
+        original(lp_groups_name, checkpoint_dir)
+    finally:
+        _set_masters(zero_optimizer, masters)
+    _hand_over(zero_optimizer.optimizer, masters, stand_ins)
 
 
 def _fp32_stand_in(master: torch.Tensor) -> torch.Tensor:

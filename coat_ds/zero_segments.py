@@ -4,7 +4,7 @@
 belong to one parameter each, in flat order, padding excluded. CoatFP8AdamW builds its quantization groups per
 segment on the parameter's own grid, so no group straddles two parameters.
 
-DeepSpeed 0.19.8 internals read here (pinned by tests/deepspeed/test_deepspeed.py):
+DeepSpeed 0.19.8 internals read here (entries of coat_ds.patch_sites.INTERNALS):
 - ZeRO-1/2 and BF16_Optimizer: each low-precision param overlapping the local partition has `lp._hp_mapping`, a
   `tensor_fragment` with `hp_fragment` (a narrow of the flat fp32 partition), `hp_fragment_address.start/numel`
   (partition-local) and `lp_fragment_address.start` (offset inside the parameter).
