@@ -74,6 +74,16 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         self._reset_caches()
         self._skipped: dict[torch.device, torch.Tensor] = {}
 
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's add_param_group, refusing a tensor listed twice (in this group or in an earlier one): it would be
+        stepped twice per step."""
+        params = param_group["params"] if isinstance(param_group, dict) and "params" in param_group else []
+        if not isinstance(params, (torch.Tensor, set)):  # torch refuses sets itself
+            params = param_group["params"] = list(params)
+            coat_state.check_distinct_tensors([q[1] if isinstance(q, tuple) else q for q in params],
+                                              self.param_groups)
+        super().add_param_group(param_group)
+
     def _reset_caches(self):
         self._layouts: dict[torch.Tensor, GroupLayout] = {}
         self._launchers: dict = {}  # FusedAdamW per list of layouts
@@ -157,6 +167,10 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         if master.numel() != p.numel():
             raise ValueError(f"a master of {master.numel()} elements for a tensor of {p.numel()}")
         master = master.detach().to(device=p.device).reshape(p.shape)
+        bad = ~torch.isfinite(master)
+        if bad.any():
+            raise coat_state.StateError(f"{self._describe(p)}: cannot set a master weight holding {int(bad.sum())} "
+                                        f"NaN/Inf value(s) (first at element {int(bad.view(-1).nonzero()[0, 0])})")
         with torch.no_grad():
             if not coat_state.needs_remainder(self.config, p.dtype):
                 p.copy_(master)
@@ -247,9 +261,11 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         scalars = []
         for st, update, where in zip(plan.states, plan.updates, plan.wheres):
             # a new entry made from fp32 moments or completed by a remainder keeps the entry's own step
-            step = reference.f32(float((update if update is not None and "step" in update else st)["step"]) + 1.0)
-            if not 1.0 <= step < math.inf:
-                coat_state.check_step(step - 1.0, where)
+            count = coat_state.step_count((update if update is not None and "step" in update else st).get("step"),
+                                          where)
+            step = reference.f32(count + 1.0)
+            if step == math.inf:
+                raise coat_state.StateError(f"{where}: step {count:g} is beyond fp32's range")
             if step not in scalars_by_step:
                 scalars_by_step[step] = AdamWScalars.make(group["lr"], beta1, beta2, group["eps"],
                                                           group["weight_decay"], step)
@@ -428,11 +444,13 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         params = list(chain.from_iterable(g["params"] for g in self.param_groups))
         for index, entry in sd["state"].items():
             p = params[index]
+            # copies only: a state dict kept while training goes on must still hold the state it was made from
+            exported, fresh = entry, ()
             if coat_state.is_coat_state(entry):
-                moments = self.fp32_moments(p)
-                sd["state"][index] = {"step": entry["step"].clone(), **{k: v.view(p.shape) for k, v in moments.items()}}
-                if REMAINDER in entry:
-                    sd["state"][index][REMAINDER] = entry[REMAINDER]
+                fresh = {k: v.view(p.shape) for k, v in self.fp32_moments(p).items()}  # new tensors
+                exported = {"step": entry["step"], **fresh, **{k: entry[k] for k in (REMAINDER,) if k in entry}}
+            sd["state"][index] = {k: v.clone() if isinstance(v, torch.Tensor) and k not in fresh else v
+                                  for k, v in exported.items()}
         return sd
 
     def load_state_dict(self, state_dict):

@@ -263,6 +263,22 @@ def check_tensors(entry: dict, layout: GroupLayout, cfg, where: str, device=None
                 raise StateError(f"{where}: {key} is on {t.device}, the tensor on {device}")
 
 
+def check_distinct_tensors(params: list, param_groups: list) -> None:
+    """The tensors of a param group to be added appear once in it and in no earlier group (ValueError, as
+    torch.optim raises for the latter): an optimizer keeps one state entry per tensor and steps it once."""
+    index, first = len(param_groups), {}
+    for position, p in enumerate(params):
+        if id(p) in first:
+            raise ValueError(f"a tensor of shape {tuple(p.shape)} appears twice in param group {index} (positions "
+                             f"{first[id(p)]} and {position}): it would be stepped twice per step; list it once")
+        first[id(p)] = position
+    for earlier, group in enumerate(param_groups):
+        for position, q in enumerate(group["params"]):
+            if id(q) in first:
+                raise ValueError(f"param group {index} lists a tensor of param group {earlier} (its position "
+                                 f"{position} there): some parameters appear in more than one parameter group")
+
+
 def check_remainder(remainder, numel: int, where: str, device=None) -> None:
     """O(1): a master remainder is an int16 tensor of the tensor's numel elements (any bit pattern is valid)."""
     if not isinstance(remainder, torch.Tensor) or remainder.dtype != master_remainders.REMAINDER_DTYPE or \
@@ -278,6 +294,11 @@ def check_remainder(remainder, numel: int, where: str, device=None) -> None:
 
 def check_step(step, where: str) -> None:
     """A step count: a finite number >= 0 (a Python number or a one-element tensor)."""
+    step_count(step, where)
+
+
+def step_count(step, where: str) -> float:
+    """The value of a step count (a finite number >= 0: a Python number or a one-element tensor)."""
     if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_complex():
         value = float(step)
     elif isinstance(step, (int, float)) and not isinstance(step, bool):
@@ -286,6 +307,7 @@ def check_step(step, where: str) -> None:
         raise StateError(f"{where}: step must be a number or a one-element tensor, got {_described(step)}")
     if not (value >= 0 and math.isfinite(value)):
         raise StateError(f"{where}: step is {value}, not a finite count >= 0")
+    return value
 
 
 def scan_values(entry: dict, layout: GroupLayout | None, cfg, where: str) -> None:
