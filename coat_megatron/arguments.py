@@ -8,6 +8,7 @@ with every --transformer-impl).
 from __future__ import annotations
 
 import argparse
+import functools
 
 from coat_kernels.formats import FORMATS
 from coat_kernels.optim.config import DEFAULTS
@@ -68,8 +69,20 @@ def coat_optimizer_options(args) -> dict:
     return {option: getattr(args, f"coat_{option}") for option in OPTIMIZER_FLAGS}
 
 
+class AddMegatronAndCoatArguments:
+    """What install_coat_args puts in place of megatron.training's `add_megatron_arguments`: Megatron's
+    (`original`), then the COAT options."""
+
+    def __init__(self, original):
+        self.original = original
+        functools.update_wrapper(self, original)
+
+    def __call__(self, parser):
+        return add_coat_args(self.original(parser))
+
+
 def install_coat_args() -> None:
-    """Make every parser megatron.training builds accept the COAT options.
+    """Make every parser megatron.training builds accept the COAT options (idempotent).
 
     megatron.training re-parses sys.argv with its own parser outside `extra_args_provider` (0.19:
     ft_integration.setup and inprocess_restart call `parse_args(ignore_unknown_args=True)`, and an unknown
@@ -77,15 +90,8 @@ def install_coat_args() -> None:
     """
     from megatron.training import arguments
 
-    original = arguments.add_megatron_arguments
-    if getattr(original, "adds_coat_args", False):
-        return
-
-    def add_megatron_and_coat_arguments(parser):
-        return add_coat_args(original(parser))
-
-    add_megatron_and_coat_arguments.adds_coat_args = True
-    arguments.add_megatron_arguments = add_megatron_and_coat_arguments
+    if not isinstance(arguments.add_megatron_arguments, AddMegatronAndCoatArguments):
+        arguments.add_megatron_arguments = AddMegatronAndCoatArguments(arguments.add_megatron_arguments)
 
 
 def validate_coat_args(args) -> None:

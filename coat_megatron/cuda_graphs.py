@@ -10,28 +10,38 @@ memory a second time: the capture runs out of memory at a micro-batch the eager 
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 
 
+class CallReleasingMemory:
+    """FullCudaGraphWrapper.__call__: Megatron's (`original`), after emptying the cache when this call captures."""
+
+    def __init__(self, original, graph_wrapper_class):
+        self.original = original
+        self.graph_wrapper_class = graph_wrapper_class  # holds the captured graphs per stage
+        functools.update_wrapper(self, original)
+
+    def __get__(self, wrapper, owner=None):
+        return self if wrapper is None else types.MethodType(self, wrapper)
+
+    def __call__(self, wrapper, *args, **kwargs):
+        stage = "validation" if kwargs.get("forward_only") else "training"
+        captures = self.graph_wrapper_class.cuda_graph.get(stage) is None
+        if captures and wrapper.curr_iter(stage) == wrapper.cuda_graph_warmup_steps:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        return self.original(wrapper, *args, **kwargs)
+
+
 def release_memory_before_capture() -> bool:
-    """Wrap FullCudaGraphWrapper.__call__ (idempotent); False when this Megatron has no full-iteration graphs."""
+    """Replace FullCudaGraphWrapper.__call__ (idempotent); False when this Megatron has no full-iteration graphs."""
     try:
         from megatron.core.full_cuda_graph import FullCudaGraphWrapper
     except ImportError:
         return False
-    call = FullCudaGraphWrapper.__call__
-    if getattr(call, "releases_memory_before_capture", False):
-        return True
-
-    @functools.wraps(call)
-    def call_releasing_memory(self, *args, **kwargs):
-        stage = "validation" if kwargs.get("forward_only") else "training"
-        if FullCudaGraphWrapper.cuda_graph.get(stage) is None and self.curr_iter(stage) == self.cuda_graph_warmup_steps:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        return call(self, *args, **kwargs)
-
-    call_releasing_memory.releases_memory_before_capture = True
-    FullCudaGraphWrapper.__call__ = call_releasing_memory
+    call = FullCudaGraphWrapper.__dict__["__call__"]
+    if not isinstance(call, CallReleasingMemory):
+        FullCudaGraphWrapper.__call__ = CallReleasingMemory(call, FullCudaGraphWrapper)
     return True

@@ -2,7 +2,8 @@
 
 It is idempotent (a second call returns the same handle) and does four things:
 1. `--transformer-impl coat` and the `--coat-*` flags in every parser megatron.training builds;
-2. `megatron.training.training.get_megatron_optimizer` wrapped: with `--coat-optimizer` the inner Adam of the
+2. `megatron.training.training.get_megatron_optimizer` replaced by GetMegatronOptimizerWithCoat (Megatron's function,
+   then the swap; it holds the handle): with `--coat-optimizer` the inner Adam of the
    distributed / mixed-precision optimizer becomes CoatFP8AdamW (coat_megatron.optimizer), and every inner optimizer
    ticks the step clock of the COAT weight caches, so each FP8 weight is quantized once per optimizer step (Megatron
    writes weights through `.data` and parameter all-gathers, which no tensor version counter sees);
@@ -14,6 +15,7 @@ Call it before megatron.training's `pretrain` (coat_megatron.pretrain_gpt does).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from coat_kernels.act import ActivationConfig, CoatRuntime
@@ -47,27 +49,35 @@ class CoatMegatron:
                 self.runtime.attach_optimizer(inner)
 
 
+class GetMegatronOptimizerWithCoat:
+    """What enable_coat puts in place of megatron.training's `get_megatron_optimizer`: Megatron's function (`original`),
+    then the COAT optimizer swap (with `--coat-optimizer`) and the handle's clock on every inner optimizer."""
+
+    def __init__(self, original, handle: CoatMegatron):
+        self.original = original
+        self.handle = handle
+        functools.update_wrapper(self, original)
+
+    def __call__(self, *args, **kwargs):
+        from megatron.training import get_args
+
+        from .optimizer import use_coat_optimizer
+
+        optimizer = self.original(*args, **kwargs)
+        if get_args().coat_optimizer:
+            optimizer = use_coat_optimizer(optimizer, **coat_optimizer_options(get_args()))
+        self.handle.attach(optimizer)
+        self.handle.optimizers.append(optimizer)
+        return optimizer
+
+
 def enable_coat() -> CoatMegatron:
-    from megatron.training import get_args, training
+    from megatron.training import training
 
     install_coat_args()
     release_memory_before_capture()
-    wrapped = training.get_megatron_optimizer
-    handle = getattr(wrapped, "coat_handle", None)
-    if handle is not None:
-        return handle
-    handle = CoatMegatron()
-
-    def get_megatron_optimizer_with_coat(*args, **kwargs):
-        from .optimizer import use_coat_optimizer
-
-        optimizer = wrapped(*args, **kwargs)
-        if get_args().coat_optimizer:
-            optimizer = use_coat_optimizer(optimizer, **coat_optimizer_options(get_args()))
-        handle.attach(optimizer)
-        handle.optimizers.append(optimizer)
-        return optimizer
-
-    get_megatron_optimizer_with_coat.coat_handle = handle
-    training.get_megatron_optimizer = get_megatron_optimizer_with_coat
-    return handle
+    installed = training.get_megatron_optimizer
+    if isinstance(installed, GetMegatronOptimizerWithCoat):
+        return installed.handle
+    training.get_megatron_optimizer = GetMegatronOptimizerWithCoat(installed, CoatMegatron())
+    return training.get_megatron_optimizer.handle

@@ -20,6 +20,9 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
 )
 
 from coat_kernels.act import (ActivationConfig, CoatRuntime, Norm, fp8_gelu, fp8_linear, fp8_norm_linear,
@@ -33,6 +36,16 @@ MEGATRON_ACTIVATION_CONFIG = ActivationConfig(transposed_weights="backward")
 
 def _param_device(config):
     return torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
+
+
+def norm_options(config) -> dict:
+    """Norm's options (kind, zero-centred gamma, where and in which dtype its parameters are created) as Megatron's
+    config gives them, for the final norm (CoatNorm) and the norms fused into the column layers alike."""
+    if config.normalization not in ("LayerNorm", "RMSNorm"):
+        raise ValueError(f"COAT supports LayerNorm and RMSNorm, not {config.normalization!r}")
+    return dict(norm="rmsnorm" if config.normalization == "RMSNorm" else "layernorm",
+                zero_centered_gamma=config.layernorm_zero_centered_gamma, device=_param_device(config),
+                params_dtype=config.params_dtype)
 
 
 class _CoatLinearMixin:
@@ -82,18 +95,10 @@ class CoatLayerNormColumnParallelLinear(CoatColumnParallelLinear):
         super().__init__(input_size, output_size, config=config, init_method=init_method,
                          gather_output=gather_output, bias=bias, skip_bias_add=skip_bias_add, is_expert=is_expert,
                          tp_comm_buffer_name=tp_comm_buffer_name, tp_group=tp_group, stride=stride, **kwargs)
-        if config.normalization not in ("LayerNorm", "RMSNorm"):
-            raise ValueError(f"COAT supports LayerNorm and RMSNorm, not {config.normalization!r}")
-        self.norm = "rmsnorm" if config.normalization == "RMSNorm" else "layernorm"
-        self.eps = config.layernorm_epsilon
-        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
-        device, dtype = _param_device(config), config.params_dtype
-        gamma = torch.zeros if self.zero_centered_gamma else torch.ones
-        self.layer_norm_weight = torch.nn.Parameter(gamma(input_size, device=device, dtype=dtype))
-        if self.norm == "layernorm":
-            self.layer_norm_bias = torch.nn.Parameter(torch.zeros(input_size, device=device, dtype=dtype))
-        else:
-            self.layer_norm_bias = None
+        # the norm's parameters are created as CoatNorm's are; the layer keeps them under TE's names
+        norm = Norm(input_size, eps=config.layernorm_epsilon, **norm_options(config))
+        self.norm, self.eps, self.zero_centered_gamma = norm.norm, norm.eps, norm.zero_centered_gamma
+        self.layer_norm_weight, self.layer_norm_bias = norm.weight, norm.bias
 
     def _gemm(self, x, weight, bias):
         # Identity forward; the backward sums the partial norm-parameter gradients of the TP ranks.
@@ -109,31 +114,45 @@ ACTIVATIONS = ("swiglu", "gelu")
 
 
 class CoatRowParallelLinear(_CoatLinearMixin, RowParallelLinear):
-    """RowParallelLinear with an FP8 GEMM; `activation` ("swiglu" | "gelu", set by CoatMLP) applies COAT's FP8
-    non-linearity to the input first (SwiGLU fused with this GEMM's input quantization).
+    """RowParallelLinear with an FP8 GEMM. activation ("swiglu" | "gelu" | None; CoatMLP passes its own) applies
+    COAT's FP8 non-linearity to the input first (SwiGLU fused with this GEMM's input quantization).
     forward(x, reuse_input=True): save x itself for the weight gradient instead of an FP8 copy (for an input that
-    something else keeps for backward anyway, such as the attention output)."""
+    something else keeps for backward anyway, such as the attention output).
 
-    def __init__(self, *args, coat_config: ActivationConfig | None = None, coat_runtime: CoatRuntime | None = None,
-                 **kwargs):
+    forward takes the steps of megatron-core's RowParallelLinear.forward (scatter an input that is not split yet,
+    the GEMM, the reduction over TP or the reduce-scatter under SP, the bias) with this call's reuse_input handed to
+    the GEMM. Megatron's legacy CPU-offloading tag on the input is not set: the FP8 blocks save their own tensors."""
+
+    def __init__(self, *args, activation: str | None = None, coat_config: ActivationConfig | None = None,
+                 coat_runtime: CoatRuntime | None = None, **kwargs):
+        if activation is not None and activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS} or None, got {activation!r}")
         super().__init__(*args, **kwargs)
         self._init_coat(coat_config, coat_runtime)
-        self.activation = None
-        self._reuse_input = False  # this call's choice, set and cleared by forward
+        self.activation = activation
 
     def forward(self, input_, reuse_input: bool = False):
-        self._reuse_input = reuse_input
-        try:
-            return super().forward(input_)
-        finally:
-            self._reuse_input = False
+        if not self.input_is_parallel:
+            if self.sequence_parallel:
+                raise ValueError("RowParallelLinear under sequence parallelism needs input_is_parallel=True")
+            input_ = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        output_parallel = self._row_gemm(input_, reuse_input)
+        if self.explicit_expert_comm:
+            output = output_parallel
+        elif self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
+        else:
+            output = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+        if self.skip_bias_add:
+            return output, self.bias
+        return (output + self.bias if self.bias is not None else output), None
 
-    def _forward_impl(self, input, weight, *args, **kwargs):
+    def _row_gemm(self, x, reuse_input: bool):
         if self.activation == "swiglu":
-            return fp8_swiglu_linear(input, weight, None, **self._block_kwargs())
+            return fp8_swiglu_linear(x, self.weight, None, **self._block_kwargs())
         if self.activation == "gelu":
-            input = fp8_gelu(input, config=self.coat_config)
-        return fp8_linear(input, weight, None, reuse_input=self._reuse_input, **self._block_kwargs())
+            x = fp8_gelu(x, config=self.coat_config)
+        return fp8_linear(x, self.weight, None, reuse_input=reuse_input, **self._block_kwargs())
 
 
 class CoatNorm(Norm):
@@ -142,10 +161,6 @@ class CoatNorm(Norm):
     `sequence_parallel` so finalize_model_grads sums their gradients over TP, as for TENorm."""
 
     def __init__(self, config, hidden_size, eps=1e-5):
-        if config.normalization not in ("LayerNorm", "RMSNorm"):
-            raise ValueError(f"COAT supports LayerNorm and RMSNorm, not {config.normalization!r}")
-        super().__init__(hidden_size, norm="rmsnorm" if config.normalization == "RMSNorm" else "layernorm", eps=eps,
-                         zero_centered_gamma=config.layernorm_zero_centered_gamma, device=_param_device(config),
-                         params_dtype=config.params_dtype)
+        super().__init__(hidden_size, eps=eps, **norm_options(config))
         for p in self.parameters():
             p.sequence_parallel = config.sequence_parallel

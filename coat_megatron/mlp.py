@@ -1,14 +1,19 @@
 """CoatMLP: Megatron's MLP with COAT's FP8 non-linearity between fc1 and fc2.
 
-fc1 is the fused norm + FP8 column-parallel linear; the activation is handed to fc2 (`activation`), where
-SwiGLU (or GELU) reads fc1's output, saves it in FP8 groups and feeds fc2's FP8 GEMM. Everything else, including
-`sharded_state_dict` with the [gate, up] interleave factory for TP resharding, is Megatron's MLP.
+fc1 is the fused norm + FP8 column-parallel linear; fc2 (CoatRowParallelLinear) is built with the activation that
+matches the config (`activation=`), so SwiGLU (or GELU) reads fc1's output, saves it in FP8 groups and feeds fc2's
+FP8 GEMM. Everything else, including `sharded_state_dict` with the [gate, up] interleave factory for TP resharding,
+is Megatron's MLP.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.spec_utils import get_module
 
+from .bound_spec import bind
 from .layers import CoatRowParallelLinear
 
 
@@ -25,12 +30,13 @@ def coat_activation(config) -> str:
 
 class CoatMLP(MLP):
     def __init__(self, config, submodules, *args, **kwargs):
-        super().__init__(config, submodules, *args, **kwargs)
-        if not isinstance(self.linear_fc2, CoatRowParallelLinear):
-            raise TypeError(f"CoatMLP needs CoatRowParallelLinear as linear_fc2, got {type(self.linear_fc2)}")
+        fc2 = get_module(submodules.linear_fc2)
+        if not (isinstance(fc2, type) and issubclass(fc2, CoatRowParallelLinear)):
+            raise TypeError(f"CoatMLP needs CoatRowParallelLinear as linear_fc2, got {fc2}")
         if config.use_te_activation_func:
             raise ValueError("CoatMLP runs its own FP8 activation: unset use_te_activation_func")
-        self.linear_fc2.activation = coat_activation(config)
+        fc2_spec = bind(submodules.linear_fc2, activation=coat_activation(config))
+        super().__init__(config, dataclasses.replace(submodules, linear_fc2=fc2_spec), *args, **kwargs)
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
         if per_token_scale is not None:

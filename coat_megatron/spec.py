@@ -7,8 +7,8 @@ megatron-core 0.16 (ModuleSpec MLP) and 0.19 (MLP builder callables).
 
 Every COAT linear of a model is bound to the same ActivationConfig (default: layers.MEGATRON_ACTIVATION_CONFIG) and
 CoatRuntime (scale tickets, gradient-amax hand-off, FP8 weight caches, RoPE tables): pass them in
-(coat_megatron.enable_coat's handle does), or a fresh runtime is made. Megatron builds some submodules with
-`build_module(spec)` and calls others directly, so the binding is a ModuleSpec that can also be called.
+(coat_megatron.enable_coat's handle does), or a fresh runtime is made. The binding is a callable ModuleSpec
+(coat_megatron.bound_spec).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
@@ -30,21 +30,15 @@ from megatron.core.transformer.transformer_layer import (
 from coat_kernels.act import ActivationConfig, CoatRuntime
 
 from .attention import core_attention_class
+from .bound_spec import CallableSpec, bind
 from .layers import (MEGATRON_ACTIVATION_CONFIG, CoatLayerNormColumnParallelLinear, CoatNorm,
                      CoatRowParallelLinear)
 from .mlp import CoatMLP
 from .self_attention import CoatSelfAttention
 
 
-class CallableSpec(ModuleSpec):
-    """A ModuleSpec that Megatron can also call like a class (for submodules it instantiates directly)."""
-
-    def __call__(self, *args, **kwargs):
-        return build_module(self, *args, **kwargs)
-
-
 def _bind(layer_cls, coat_config, coat_runtime) -> CallableSpec:
-    return CallableSpec(module=layer_cls, params={"coat_config": coat_config, "coat_runtime": coat_runtime})
+    return bind(layer_cls, coat_config=coat_config, coat_runtime=coat_runtime)
 
 
 def get_coat_mlp_spec(coat_config: ActivationConfig | None = None, coat_runtime: CoatRuntime | None = None):

@@ -238,7 +238,7 @@ def test_megatron_training_parses_coat_optimizer(monkeypatch):
     monkeypatch.setattr(training, "get_megatron_optimizer", training.get_megatron_optimizer)
     handle = enable_coat()
     assert enable_coat() is handle  # idempotent
-    assert training.get_megatron_optimizer.coat_handle is handle
+    assert training.get_megatron_optimizer.handle is handle
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt", "--use-distributed-optimizer", "--coat-optimizer",
                                       "--coat-exp-avg-sq-format", "e5m2"])
     args = arguments.parse_args(ignore_unknown_args=True)
