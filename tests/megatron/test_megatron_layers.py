@@ -1,6 +1,7 @@
 """coat_megatron's layers take what they need as arguments: CoatMLP builds fc2 with the config's activation as a
 constructor argument, linear_proj's reuse_input is an argument of the call, and the fused norms and the final norm
-create their parameters the same way. One gloo process on CPU (tests/jobs/megatron_job.py's set-up)."""
+create their parameters the same way. One gloo process on CPU (tests/jobs/megatron_job.py's set-up); also against
+megatron-core 0.19: `PYTHONPATH=<unzipped 0.19.2 wheel> pytest tests/megatron/test_megatron_layers.py`."""
 import json
 import os
 import subprocess
@@ -29,7 +30,12 @@ for name, glu, act in (("swiglu", True, F.silu), ("gelu", False, F.gelu)):
     config = make_config(1)
     config.gated_linear_unit, config.activation_func = glu, act
     spec = get_coat_mlp_spec()
-    mlp = spec(config=config) if callable(spec) and not hasattr(spec, "module") else build_module(spec, config=config)
+    if hasattr(spec, "module"):  # a ModuleSpec (megatron-core 0.16)
+        mlp = build_module(spec, config=config)
+    else:  # 0.19+: the MLP builder TransformerLayer calls
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        mlp = spec(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(), is_mtp_layer=False)
     y, _ = mlp(x)
     h = F.rms_norm(x.float(), (64,), mlp.linear_fc1.layer_norm_weight.float(), config.layernorm_epsilon)
     h = h @ mlp.linear_fc1.weight.float().t()
