@@ -8,7 +8,8 @@ device; backend="triton": the kernel (on CPU tensors under TRITON_INTERPRET=1). 
 
 COAT options: `OptimizerConfig` (coat_kernels.optim.config), given as `config=` and/or keyword arguments; the
 per-group ones (formats, expansion, group size, expand_min, k_max) are stored in each param group like lr.
-State per tensor: see coat_kernels.optim.state. With `master_remainders` a bf16 parameter is its own fp32 master
+State per tensor: see coat_kernels.optim.state; checkpoint formats (torch.optim's fp32 layout, state dicts,
+pickling): coat_kernels.optim.checkpoint. With `master_remainders` a bf16 parameter is its own fp32 master
 weight: its entry keeps the master's low 16 bits, and every step reads and writes the master exactly
 (coat_kernels.optim.master_remainders; `fp32_master` / `set_fp32_master` read and write it). fp32 `exp_avg` /
 `exp_avg_sq` found in a state entry (DeepSpeed's universal-checkpoint loader writes them) are quantized when the entry
@@ -18,7 +19,7 @@ Engines that hand the optimizer flat tensors holding fragments of several parame
 distributed-optimizer shards) say where each fragment comes from by overriding `param_segments`, so that
 quantization groups follow each parameter's own grid and never straddle two parameters.
 
-States are checked before they are used (coat_kernels.optim.state.validate_entry): `load_state_dict` and unpickling
+States are checked before they are used (coat_kernels.optim.validation.validate_entry): `load_state_dict` and unpickling
 check every entry against its parameter, layout and param group, values included, and raise StateError (naming the
 parameter, the key and the problem) with the optimizer left as it was; a step checks keys, dtypes and shapes. A step
 checks and plans every group before it writes anything: one that raises leaves parameters, moments and steps as they
@@ -32,29 +33,30 @@ and then raises FloatingPointError.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
-from itertools import chain
 
 import torch
 
-from ..triton_fp8 import require_triton_device
+from . import backends, checkpoint
 from . import dre_reference as reference
 from . import state as coat_state
+from . import validation
 from .config import DEFAULTS, GROUP_OPTION_NAMES, OPTION_NAMES, OptimizerConfig
 from .dre_reference import AdamWScalars
-from .grouping import GroupLayout, Segment, build_layout, concat_layouts, normalize_segments
+from .grouping import GroupLayout, Segment, build_layout, normalize_segments
 from .master_remainders import join as join_master
 from .master_remainders import split as split_master
+from .validation import StateError
 
 REMAINDER = coat_state.REMAINDER_KEY
+CACHES = ("_layouts", "_launchers", "_plans")  # rebuilt on the next step: left out of pickles and copies
+# what load_state_dict keeps as saved (torch would cast it to the parameter's dtype)
+LOADED_KEYS = coat_state.ENTRY_KEYS + coat_state.MOMENTS + (REMAINDER,)
 
 # torch.optim.AdamW options accepted only at their default value.
 TORCH_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "fused": None, "capturable": False,
                   "differentiable": False}
-GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-PARAM_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class CoatFP8AdamW(torch.optim.Optimizer):
@@ -80,7 +82,7 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         params = param_group["params"] if isinstance(param_group, dict) and "params" in param_group else []
         if not isinstance(params, (torch.Tensor, set)):  # torch refuses sets itself
             params = param_group["params"] = list(params)
-            coat_state.check_distinct_tensors([q[1] if isinstance(q, tuple) else q for q in params],
+            validation.check_distinct_tensors([q[1] if isinstance(q, tuple) else q for q in params],
                                               self.param_groups)
         super().add_param_group(param_group)
 
@@ -92,21 +94,17 @@ class CoatFP8AdamW(torch.optim.Optimizer):
     def __getstate__(self):
         """copy.deepcopy and pickle: everything but the caches (rebuilt on the next step); FP8 codes travel as
         uint8 (torch cannot unpickle FP8 storages)."""
-        out = {k: v for k, v in self.__dict__.items() if k not in ("_layouts", "_launchers", "_plans")}
-        out["state"] = {p: {k: _PicklableCodes(v) if k in coat_state.CODE_KEYS else v for k, v in entry.items()}
-                        for p, entry in self.state.items()}
-        return out
+        return checkpoint.picklable_state(self.__dict__, CACHES)
 
     def __setstate__(self, state):
         # A whole optimizer (unpickled or deep-copied) has its config; torch's load_state_dict passes only the state
         # and the param groups here, and load_state_dict checks those itself.
         whole_optimizer = "config" in state
-        state["state"] = defaultdict(dict, {p: {k: v.tensor() if isinstance(v, _PicklableCodes) else v
-                                                for k, v in entry.items()} for p, entry in state["state"].items()})
-        super().__setstate__(state)
+        super().__setstate__(checkpoint.unpickled_state(state))
         self._reset_caches()
-        if whole_optimizer:
-            self._validate_states()
+        if whole_optimizer:  # every entry against its tensor and param group, values scanned (segments aside)
+            checkpoint.check_entries(self.param_groups, self.state,
+                                     lambda *args: self._check_entry(*args, own_segments=False), self.group_config)
 
     # ---- the hook for engines --------------------------------------------------------------------------------
     def param_segments(self, param: torch.Tensor, group_index: int) -> list[Segment] | None:
@@ -169,7 +167,7 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         master = master.detach().to(device=p.device).reshape(p.shape)
         bad = ~torch.isfinite(master)
         if bad.any():
-            raise coat_state.StateError(f"{self._describe(p)}: cannot set a master weight holding {int(bad.sum())} "
+            raise StateError(f"{self._describe(p)}: cannot set a master weight holding {int(bad.sum())} "
                                         f"NaN/Inf value(s) (first at element {int(bad.view(-1).nonzero()[0, 0])})")
         with torch.no_grad():
             if not coat_state.needs_remainder(self.config, p.dtype):
@@ -202,12 +200,12 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         m_cfg, v_cfg = self._config_of(p).moment_configs()
         try:
             if step is not None:
-                coat_state.check_step(step, "the step given")
+                validation.check_step(step, "the step given")
             quantized = coat_state.from_fp32(exp_avg.to(p.device), exp_avg_sq.to(p.device), layout, m_cfg, v_cfg,
                                              self._use_triton(p, layout.group_size))
         except ValueError as exc:
-            raise coat_state.StateError(f"{self._describe(p)}: {exc}") from None
-        _commit(state, quantized)
+            raise StateError(f"{self._describe(p)}: {exc}") from None
+        coat_state.commit(state, quantized)
         if step is not None:
             state["step"] = torch.tensor(float(step), dtype=torch.float32)
 
@@ -251,21 +249,21 @@ class CoatFP8AdamW(torch.optim.Optimizer):
             plan = self._plan(index, group, params, signature, cfg)
         for i, (p, st, update) in enumerate(zip(params, plan.states, plan.updates)):
             # state tensors may have been replaced since the plan (offloading engines swap them)
-            if update is None and _state_tensors(st) != plan.tensors[i]:
-                coat_state.check_tensors(st, plan.layouts[i], cfg, plan.wheres[i], p.device)
+            if update is None and coat_state.stored_tensors(st) != plan.tensors[i]:
+                validation.check_tensors(st, plan.layouts[i], cfg, plan.wheres[i], p.device)
                 if plan.kernel_keys[i][-1]:
-                    coat_state.check_remainder(st.get(REMAINDER), p.numel(), plan.wheres[i], p.device)
-                plan.tensors[i] = _state_tensors(st)
+                    validation.check_remainder(st.get(REMAINDER), p.numel(), plan.wheres[i], p.device)
+                plan.tensors[i] = coat_state.stored_tensors(st)
         beta1, beta2 = group["betas"]
         scalars_by_step: dict[float, AdamWScalars] = {}
         scalars = []
         for st, update, where in zip(plan.states, plan.updates, plan.wheres):
             # a new entry made from fp32 moments or completed by a remainder keeps the entry's own step
-            count = coat_state.step_count((update if update is not None and "step" in update else st).get("step"),
+            count = validation.step_count((update if update is not None and "step" in update else st).get("step"),
                                           where)
             step = reference.f32(count + 1.0)
             if step == math.inf:
-                raise coat_state.StateError(f"{where}: step {count:g} is beyond fp32's range")
+                raise StateError(f"{where}: step {count:g} is beyond fp32's range")
             if step not in scalars_by_step:
                 scalars_by_step[step] = AdamWScalars.make(group["lr"], beta1, beta2, group["eps"],
                                                           group["weight_decay"], step)
@@ -276,7 +274,7 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         m_cfg, v_cfg = moment_configs
         for i, (st, update) in enumerate(zip(plan.states, plan.updates)):
             if update is not None:
-                _commit(st, update)
+                coat_state.commit(st, update)
                 self._layouts[plan.params[i]] = plan.layouts[i]
                 plan.updates[i] = None
             st["step"] += 1
@@ -288,11 +286,12 @@ class CoatFP8AdamW(torch.optim.Optimizer):
             by_kernel.setdefault(key if key[0] else key + (h,), []).append((p, grad, st, layout, h))
         for (use_triton, device, _, _, _, remainder, *_), items in by_kernel.items():
             if use_triton:
-                self._launch(device, items, m_cfg, v_cfg, remainder)
+                backends.launch_triton(self._launchers, device, items, m_cfg, v_cfg, self._counter(device),
+                                       remainder)
             elif device.type == "cpu" and self.config.backend == "auto":
-                self._counter(device).add_(_cpu_step(items, m_cfg, v_cfg, remainder))
+                self._counter(device).add_(backends.run_cpu(items, m_cfg, v_cfg, remainder))
             else:
-                self._counter(device).add_(_reference_step(items, m_cfg, v_cfg, remainder))
+                self._counter(device).add_(backends.run_reference(items, m_cfg, v_cfg, remainder))
 
     def _plan(self, index, group, params, signature, cfg) -> "_StepPlan":
         """Checks and per-tensor facts of a group's step, kept while the params with gradients, their gradients'
@@ -304,21 +303,21 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         plan = _StepPlan(signature, params, [], [], [], [], [], [])
         for p in params:
             grad = self.param_gradient(p)
-            _check_tensors(p, grad)
+            validation.check_param_and_grad(p, grad)
             where = _where(p, index, offset + positions[id(p)])
             state = self.state[p]
             remainder = coat_state.needs_remainder(self.config, p.dtype)
             if not self._needs_new_entry(p, state):
                 layout, update = self._layout(p, state, where), None
-                _check_state_fits(p, state, layout, cfg)
-                coat_state.check_tensors(state, layout, cfg, where, p.device)
+                validation.check_state_fits(p, state, layout, cfg)
+                validation.check_tensors(state, layout, cfg, where, p.device)
                 if remainder:
-                    coat_state.check_remainder(state[REMAINDER], p.numel(), where, p.device)
+                    validation.check_remainder(state[REMAINDER], p.numel(), where, p.device)
                 elif REMAINDER in state:
-                    coat_state.validate_entry(state, p.numel(), cfg, where, scan=False, param_dtype=p.dtype)
+                    validation.validate_entry(state, p.numel(), cfg, where, scan=False, param_dtype=p.dtype)
             else:
                 update, layout = self._new_entry(p, state, cfg, index, where)
-            plan.tensors.append(_state_tensors(state if update is None else {**state, **update}))
+            plan.tensors.append(coat_state.stored_tensors(state if update is None else {**state, **update}))
             plan.states.append(state)
             plan.layouts.append(layout)
             plan.updates.append(update)
@@ -327,30 +326,8 @@ class CoatFP8AdamW(torch.optim.Optimizer):
                                      layout.group_size, remainder))
         return plan
 
-    def _launch(self, device, items, m_cfg, v_cfg, remainder: bool):
-        from . import dre_triton
-
-        layouts = [it[3] for it in items]
-        key = tuple(id(lay) for lay in layouts)
-        if key not in self._launchers:
-            self._launchers[key] = dre_triton.FusedAdamW(layouts, device)
-        states = [it[2] for it in items]
-        remainders = [s[REMAINDER] for s in states] if remainder else None
-        self._launchers[key]([it[0] for it in items], [it[1] for it in items],
-                             [s["exp_avg_q"] for s in states], [s["exp_avg_meta"] for s in states],
-                             [s["exp_avg_sq_q"] for s in states], [s["exp_avg_sq_meta"] for s in states],
-                             [it[4] for it in items], m_cfg, v_cfg, self._counter(device), remainders=remainders)
-
-    def _use_triton(self, p, group_size):
-        from .dre_triton import supports_group_size
-
-        backend = self.config.backend
-        if backend == "triton":
-            if not supports_group_size(group_size):
-                raise ValueError(f"backend='triton' needs a power-of-two group_size >= 4, got {group_size}")
-            require_triton_device(p, "CoatFP8AdamW")
-            return True
-        return backend == "auto" and p.is_cuda and supports_group_size(group_size)
+    def _use_triton(self, p, group_size: int) -> bool:
+        return backends.use_triton(self.config.backend, p, group_size)
 
     def _counter(self, device):
         if device not in self._skipped:
@@ -388,18 +365,18 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         """Store p's entry as the next step would make it (see _new_entry)."""
         state = self.state[p]
         update, layout = self._new_entry(p, state, self.group_config(group), group_index, where)
-        _commit(state, update)
+        coat_state.commit(state, update)
         self._layouts[p] = layout
 
     def _new_entry(self, p, state, cfg, group_index, where) -> tuple[dict, GroupLayout]:
         """(what to store in p's entry, its layout), computed without changing the entry: a fresh zero state on p's
         groups (keeping the step) where there is no FP8 state, and codes quantized from fp32 moments found in the
         entry (they replace the codes beside them)."""
-        coat_state.validate_entry(state, p.numel(), cfg, where, scan=False, param_dtype=p.dtype)
+        validation.validate_entry(state, p.numel(), cfg, where, scan=False, param_dtype=p.dtype)
         m_cfg, v_cfg = cfg.moment_configs()
         if coat_state.is_coat_state(state):
             layout, update = self._layout(p, state, where), {}
-            _check_state_fits(p, state, layout, cfg)
+            validation.check_state_fits(p, state, layout, cfg)
         else:
             segments = state["segments"] if "segments" in state else self.param_segments(p, group_index)
             segments = normalize_segments(segments, p.numel())
@@ -411,7 +388,7 @@ class CoatFP8AdamW(torch.optim.Optimizer):
                 update.update(coat_state.from_fp32(state["exp_avg"].to(p.device), state["exp_avg_sq"].to(p.device),
                                                    layout, m_cfg, v_cfg, self._use_triton(p, layout.group_size)))
             except ValueError as exc:
-                raise coat_state.StateError(f"{where}: {exc}") from None
+                raise StateError(f"{where}: {exc}") from None
         if coat_state.needs_remainder(self.config, p.dtype) and REMAINDER not in state:
             update[REMAINDER] = coat_state.zero_remainder(p.numel(), p.device)
         return update, layout
@@ -419,20 +396,8 @@ class CoatFP8AdamW(torch.optim.Optimizer):
     def _layout(self, p, state, where):
         layout = self._layouts.get(p)
         if layout is None:
-            layout = self._layouts[p] = coat_state.entry_layout(state, p.numel(), where)
+            layout = self._layouts[p] = validation.entry_layout(state, p.numel(), where)
         return layout
-
-    def _validate_states(self) -> None:
-        """Every entry against its tensor and param group, values scanned (what load_state_dict checks, but the
-        segments, which only the engine that made them can tell)."""
-        offset = 0
-        for index, group in enumerate(self.param_groups):
-            cfg = self.group_config(group)
-            for position, p in enumerate(group["params"]):
-                if p in self.state:
-                    coat_state.validate_entry(self.state[p], p.numel(), cfg, _where(p, index, offset + position),
-                                              param_dtype=p.dtype)
-            offset += len(group["params"])
 
     def torch_adamw_state_dict(self) -> dict:
         """The state in torch.optim.AdamW's layout: per parameter `step` and fp32 `exp_avg` / `exp_avg_sq` shaped like
@@ -440,85 +405,43 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         load_state_dict(...)` continues the run without COAT; `CoatFP8AdamW.load_state_dict` takes it back, with the
         groups' options and the FP8 state restored bit for bit on the same tensors. (A torch AdamW state dict loads
         into CoatFP8AdamW as it is: its moments are quantized with this optimizer's options.)"""
-        sd = super().state_dict()
-        params = list(chain.from_iterable(g["params"] for g in self.param_groups))
-        for index, entry in sd["state"].items():
-            p = params[index]
-            # copies only: a state dict kept while training goes on must still hold the state it was made from
-            exported, fresh = entry, ()
-            if coat_state.is_coat_state(entry):
-                fresh = {k: v.view(p.shape) for k, v in self.fp32_moments(p).items()}  # new tensors
-                exported = {"step": entry["step"], **fresh, **{k: entry[k] for k in (REMAINDER,) if k in entry}}
-            sd["state"][index] = {k: v.clone() if isinstance(v, torch.Tensor) and k not in fresh else v
-                                  for k, v in exported.items()}
-        return sd
+        return checkpoint.torch_format(super().state_dict(), self.param_groups, self.fp32_moments)
 
     def load_state_dict(self, state_dict):
         """torch's load_state_dict, after every entry has been checked against its parameter, layout and param group
-        (coat_kernels.optim.state.validate_entry, values scanned): a bad entry raises StateError and leaves the
+        (coat_kernels.optim.validation.validate_entry, values scanned): a bad entry raises StateError and leaves the
         optimizer as it was. FP8 codes stay FP8 and metadata fp32 (torch would cast them to the parameter's dtype).
         A saved group's COAT options are restored with it; a group saved without them (a torch.optim.AdamW run)
         gets this optimizer's."""
-        id_to_param = self._check_loaded(state_dict)
-        kept = coat_state.ENTRY_KEYS + coat_state.MOMENTS + (REMAINDER,)
-        originals = {pid: {k: v for k, v in s.items() if k in kept} for pid, s in state_dict["state"].items()}
-        super().load_state_dict(state_dict)
-        for pid, tensors in originals.items():
-            p = id_to_param[pid]
-            state = self.state[p]
-            for key, value in tensors.items():
-                state[key] = value.to(p.device).contiguous() if isinstance(value, torch.Tensor) else value
-            if "step" in state:  # an own fp32 tensor per entry: steps increment in place
-                state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+        id_to_param = checkpoint.check_state_dict(state_dict, self.param_groups, self._loaded_group_config,
+                                                  self._check_entry)
+        checkpoint.load_keeping_dtypes(self, super().load_state_dict, state_dict, id_to_param, LOADED_KEYS)
         for group in self.param_groups:  # saved groups from older runs may lack options: this run's defaults
             for key, value in self.config.group_options.items():
                 group.setdefault(key, value)
         self._reset_caches()
 
-    def _check_loaded(self, state_dict) -> dict:
-        """Raise StateError (ValueError) for a state dict that does not fit: groups, their options, every entry.
-        Returns {saved parameter id: parameter}."""
-        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
-            raise coat_state.StateError("an optimizer state dict needs 'state' and 'param_groups'")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"loaded state dict has a different number of parameter groups ({len(saved_groups)}, "
-                             f"this optimizer {len(self.param_groups)})")
-        targets, offset = {}, 0
-        for index, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            where = f"param group {index} of the loaded state dict"
-            if len(group["params"]) != len(saved["params"]):
-                raise ValueError(f"{where} has {len(saved['params'])} parameters, this optimizer's "
-                                 f"{len(group['params'])}: loaded state dict contains a parameter group that doesn't "
-                                 "match the size of optimizer's group")
-            _check_torch_options(saved, where)
-            options = {k: saved[k] for k in GROUP_OPTION_NAMES if k in saved}
-            try:
-                cfg = self.config.replace(**options)
-            except (TypeError, ValueError) as exc:
-                raise coat_state.StateError(f"{where}: {exc}") from None
-            for position, (p, pid) in enumerate(zip(group["params"], saved["params"])):
-                targets[pid] = (p, index, offset + position, cfg)
-            offset += len(group["params"])
-        for pid, entry in state_dict["state"].items():
-            if pid not in targets:
-                raise coat_state.StateError(f"the loaded state dict holds a state for parameter id {pid!r}, which "
-                                            "none of its param groups lists")
-            p, index, position, cfg = targets[pid]
-            segments = None
-            if isinstance(entry, dict) and "segments" in entry:
-                segments = normalize_segments(self.param_segments(p, index), p.numel())
-            coat_state.validate_entry(entry, p.numel(), cfg, _where(p, index, position), segments=segments,
-                                      param_dtype=p.dtype)
-        return {pid: target[0] for pid, target in targets.items()}
+    def _loaded_group_config(self, saved: dict, where: str) -> OptimizerConfig:
+        """The COAT options a saved param group's entries are checked against (this optimizer's where it has none);
+        torch.optim.AdamW options CoatFP8AdamW lacks are refused."""
+        _check_torch_options(saved, where)
+        try:
+            return self.config.replace(**{k: saved[k] for k in GROUP_OPTION_NAMES if k in saved})
+        except (TypeError, ValueError) as exc:
+            raise StateError(f"{where}: {exc}") from None
+
+    def _check_entry(self, entry, p, group_index: int, position: int, cfg, own_segments: bool = True) -> None:
+        """validate_entry, values scanned; with `own_segments`, an entry's segments must be those `param_segments`
+        gives (a loaded state: an unpickled optimizer is no longer linked to the engine that made them)."""
+        segments = None
+        if own_segments and isinstance(entry, dict) and "segments" in entry:
+            segments = normalize_segments(self.param_segments(p, group_index), p.numel())
+        validation.validate_entry(entry, p.numel(), cfg, _where(p, group_index, position), segments=segments,
+                                  param_dtype=p.dtype)
 
 
-class _PicklableCodes:
-    def __init__(self, codes: torch.Tensor):
-        self.dtype, self.raw = str(codes.dtype).removeprefix("torch."), codes.view(torch.uint8)
-
-    def tensor(self) -> torch.Tensor:
-        return self.raw.view(getattr(torch, self.dtype))
+# pickles that name the FP8 wrapper by this module's name unpickle through it
+_PicklableCodes = checkpoint.PicklableCodes
 
 
 @dataclass
@@ -533,25 +456,6 @@ class _StepPlan:
     kernel_keys: list  # (use Triton, device, param dtype, grad dtype, group size) per tensor
 
 
-def _commit(state: dict, update: dict) -> None:
-    """Store a new or re-quantized FP8 state in an entry (in place: engines may hold the entry), dropping the fp32
-    moments it was made from."""
-    for key in coat_state.MOMENTS:
-        state.pop(key, None)
-    state.update(update)
-
-
-def _state_tensors(state: dict):
-    """(dtype, shape, device) of an entry's codes and metadata: compared on every step, O(1)."""
-    try:
-        tensors = [state[k] for k in coat_state.CODE_KEYS + coat_state.META_KEYS]
-        if REMAINDER in state:
-            tensors.append(state[REMAINDER])
-        return tuple((t.dtype, t.shape, t.device) for t in tensors)
-    except (KeyError, AttributeError):
-        return None
-
-
 def _where(p, group_index: int, position: int) -> str:
     """How errors name a parameter: its index in the state dict and its shape."""
     return f"CoatFP8AdamW state of parameter {position} (shape {tuple(p.shape)}, param group {group_index})"
@@ -564,61 +468,12 @@ def _check_torch_options(saved_group: dict, where: str) -> None:
         if value != default and not (name in ("foreach", "fused") and value is False):
             hint = " (its state holds max_exp_avg_sq; continue that run with torch.optim.AdamW)" if name == "amsgrad" \
                 else ""
-            raise coat_state.StateError(f"{where} has {name}={value!r}, which CoatFP8AdamW does not support{hint}")
+            raise StateError(f"{where} has {name}={value!r}, which CoatFP8AdamW does not support{hint}")
 
 
 @lru_cache(maxsize=256)
 def _group_config(base: OptimizerConfig, values: tuple) -> OptimizerConfig:
     return base.replace(**{name: value for name, (_, value) in zip(GROUP_OPTION_NAMES, values)})
-
-
-def _cpu_step(items, m_cfg, v_cfg, remainder: bool) -> torch.Tensor:
-    """CPU tensors: the C++ step, one call per tensor (the torch reference when the library cannot be built)."""
-    from . import cpu_step
-
-    if cpu_step.library() is None:
-        return _reference_step(items, m_cfg, v_cfg, remainder)
-    skipped = torch.zeros((), dtype=torch.int64)
-    for p, grad, st, layout, scalars in items:
-        skipped += cpu_step.fused_adamw_step(p, grad, st["exp_avg_q"], st["exp_avg_meta"], st["exp_avg_sq_q"],
-                                             st["exp_avg_sq_meta"], layout, scalars, m_cfg, v_cfg,
-                                             remainder=st[REMAINDER] if remainder else None)
-    return skipped
-
-
-def _reference_step(items, m_cfg, v_cfg, remainder: bool) -> torch.Tensor:
-    """The PyTorch reference step for tensors sharing device, dtypes and AdamW scalars: one call over their
-    concatenation (the reference costs hundreds of small ops per call), results copied back."""
-    if len(items) == 1:
-        p, grad, st, layout, scalars = items[0]
-        return reference.fused_adamw_step(p, grad, st["exp_avg_q"], st["exp_avg_meta"], st["exp_avg_sq_q"],
-                                          st["exp_avg_sq_meta"], layout, scalars, m_cfg, v_cfg,
-                                          remainder=st[REMAINDER] if remainder else None)
-    params, grads, states, layouts, scalars = zip(*items)
-
-    def cat(tensors):
-        return torch.cat([t.reshape(-1).view(torch.uint8) if t.is_floating_point() and t.element_size() == 1
-                          else t.reshape(-1) for t in tensors])
-
-    p, g = cat(params), cat(grads)
-    codes = {k: cat([st[k] for st in states]).view(states[0][k].dtype) for k in coat_state.CODE_KEYS}
-    metas = {k: torch.cat([st[k] for st in states], dim=1) for k in coat_state.META_KEYS}
-    r = cat([st[REMAINDER] for st in states]) if remainder else None
-    skipped = reference.fused_adamw_step(p, g, codes["exp_avg_q"], metas["exp_avg_meta"], codes["exp_avg_sq_q"],
-                                         metas["exp_avg_sq_meta"], concat_layouts(layouts), scalars[0], m_cfg, v_cfg,
-                                         remainder=r)
-    start = groups = 0
-    for param, st, layout in zip(params, states, layouts):
-        n, k = layout.numel, layout.num_groups
-        param.view(-1).copy_(p[start:start + n])
-        if r is not None:
-            st[REMAINDER].copy_(r[start:start + n])
-        for key in codes:
-            st[key].view(torch.uint8).copy_(codes[key][start:start + n].view(torch.uint8))
-        for key in metas:
-            st[key].copy_(metas[key][:, groups:groups + k])
-        start, groups = start + n, groups + k
-    return skipped
 
 
 def _check_hyper_parameters(lr, betas, eps, weight_decay):
@@ -631,34 +486,3 @@ def _check_hyper_parameters(lr, betas, eps, weight_decay):
     if not ok:
         raise ValueError(f"invalid AdamW hyper-parameters: lr={lr!r}, betas={betas!r}, eps={eps!r}, "
                          f"weight_decay={weight_decay!r} (need lr, eps, weight_decay >= 0 and 0 <= beta < 1)")
-
-
-def _check_state_fits(p, state, layout, cfg):
-    """The state must describe this very tensor with this group's options: never step part of a tensor."""
-    if layout.numel != p.numel():
-        raise RuntimeError(f"CoatFP8AdamW: a state of {layout.numel} elements belongs to a tensor of {p.numel()} "
-                           f"elements (shape {tuple(p.shape)}): the parameter was resized")
-    m_cfg, v_cfg = cfg.moment_configs()
-    for key, fmt_cfg in (("exp_avg_q", m_cfg), ("exp_avg_sq_q", v_cfg)):
-        if state[key].dtype != fmt_cfg.fmt.dtype:
-            raise RuntimeError(f"CoatFP8AdamW: {key} is stored as {state[key].dtype} but the group asks for "
-                               f"{fmt_cfg.fmt.name}; change formats only with fresh state (or convert the moments "
-                               "with fp32_moments / set_fp32_moments)")
-    if layout.group_size != cfg.group_size:
-        raise RuntimeError(f"CoatFP8AdamW: the state was quantized in groups of {layout.group_size}, the group asks "
-                           f"for {cfg.group_size}; convert with fp32_moments / set_fp32_moments first")
-
-
-def _check_tensors(p, g):
-    if g.is_sparse:
-        raise RuntimeError("CoatFP8AdamW does not support sparse gradients")
-    if p.is_complex() or g.is_complex():
-        raise RuntimeError("CoatFP8AdamW does not support complex parameters")
-    if p.dtype not in PARAM_DTYPES:
-        raise TypeError(f"CoatFP8AdamW needs fp32 or bf16 (master) parameters, got {p.dtype}")
-    if g.dtype not in GRAD_DTYPES:
-        raise TypeError(f"CoatFP8AdamW needs fp32, bf16 or fp16 gradients, got {g.dtype}")
-    if g.shape != p.shape:
-        raise RuntimeError(f"gradient shape {tuple(g.shape)} differs from parameter shape {tuple(p.shape)}")
-    if not p.is_contiguous():
-        raise RuntimeError("CoatFP8AdamW needs contiguous parameters")

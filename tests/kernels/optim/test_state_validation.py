@@ -245,12 +245,12 @@ def test_set_fp32_moments_refuses_bad_values_and_keeps_the_state():
 
 def test_validation_scans_large_states_once_per_load_not_per_step(monkeypatch):
     """The value scans run at load; a step checks dtypes and shapes only."""
-    from coat_kernels.optim import state as coat_state
+    from coat_kernels.optim import validation
 
     model, opt = trained(1)
     calls = []
-    original = coat_state.scan_values
-    monkeypatch.setattr(coat_state, "scan_values", lambda *a: calls.append(1) or original(*a))
+    original = validation.scan_values
+    monkeypatch.setattr(validation, "scan_values", lambda *a: calls.append(1) or original(*a))
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     assert len(calls) == 4
     for step in range(3):
