@@ -94,10 +94,10 @@ def finish_engine(engine) -> None:
 
 def install() -> None:
     """Idempotent: wrap DeepSpeedEngine.__init__ (coat_ds.patch_sites.ENGINE_INIT)."""
-    patch_sites.wrap(patch_sites.ENGINE_INIT, _with_coat)
+    patch_sites.wrap(patch_sites.ENGINE_INIT, _engine_init_with_coat)
 
 
-def _with_coat(original):
+def _engine_init_with_coat(original):
     def __init__(self, *args, **kwargs):
         config_class = kwargs.get("config_class")
         if config_class is not None:

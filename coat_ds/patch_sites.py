@@ -177,9 +177,20 @@ def resolve(owner: str):
 
 
 def is_applied(site: PatchSite) -> bool:
-    """Whether the module- or class-level patch of `site` is in place on every owner it names."""
-    return all((site, owner) in _applied and getattr(resolve(owner), site.attribute, None) is _applied[(site, owner)]
+    """Whether the module- or class-level patch of `site` is in place on every owner it names (also under another
+    library's functools.wraps wrapper)."""
+    return all((site, owner) in _applied
+               and _holds(getattr(resolve(owner), site.attribute, None), _applied[(site, owner)])
                for owner in site.owners)
+
+
+def _holds(current, ours) -> bool:
+    """Whether `current` is `ours` or wraps it (its __wrapped__ chain)."""
+    while current is not None:
+        if current is ours:
+            return True
+        current = getattr(current, "__wrapped__", None)
+    return False
 
 
 def set_value(site: PatchSite, value) -> None:

@@ -163,3 +163,19 @@ def test_every_class_and_module_patch_is_in_place_after_registration():
 
     import coat_ds
     assert ZERO_SUPPORTED_OPTIMIZERS.count(coat_ds.CoatFP8AdamW) == 1
+
+
+def test_registering_again_under_another_librarys_wrapper_wraps_nothing_twice(monkeypatch):
+    pytest.importorskip("deepspeed")
+    import functools
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from coat_ds.deepspeed_plugin import register_with_deepspeed
+
+    register_with_deepspeed()
+    ours = DeepSpeedEngine.__init__
+    theirs = functools.wraps(ours)(lambda self, *args, **kwargs: ours(self, *args, **kwargs))
+    monkeypatch.setattr(DeepSpeedEngine, "__init__", theirs)
+    register_with_deepspeed()
+    assert DeepSpeedEngine.__init__ is theirs and patch_sites.is_applied(patch_sites.ENGINE_INIT)
