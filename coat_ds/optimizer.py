@@ -24,8 +24,8 @@ class CoatFP8AdamW(_CoatFP8AdamW):
     def add_param_group(self, param_group):
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        super().add_param_group({**param_group, "params": params})  # may refuse the group: remember it after
         self.__dict__.setdefault("_model_params", []).append(params)
-        super().add_param_group({**param_group, "params": params})
 
     def param_segments(self, param, group_index):
         model_params = self._model_params[group_index] if group_index < len(self._model_params) else []

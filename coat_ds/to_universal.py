@@ -66,7 +66,7 @@ def expand_states(obj, found: list | None = None, config=None, where: str = "a C
     fp32 moments that CoatFP8AdamW quantizes back to the same codes and metadata on the same partition layout.
 
     An optimizer state dict's entries use their param group's options. Every entry is checked first
-    (coat_kernels.optim.state.validate_entry: a damaged one raises StateError naming `where` and its parameter id).
+    (coat_kernels.optim.validation.validate_entry: a damaged one raises StateError naming `where` and its parameter id).
     Appends one item to `found` per entry."""
     found = [] if found is None else found
     if isinstance(obj, dict):

@@ -33,6 +33,7 @@ import torch
 
 from coat_kernels.optim import CoatFP8AdamW, state_report
 from coat_kernels.optim.config import GROUP_OPTION_NAMES
+from coat_kernels.optim.validation import check_distinct_tensors
 
 
 class MegatronCoatFP8AdamW(CoatFP8AdamW):
@@ -67,6 +68,7 @@ class MegatronCoatFP8AdamW(CoatFP8AdamW):
         # rejects; Megatron itself assigns them to the inner optimizer's param_groups directly.
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        check_distinct_tensors(params, self.param_groups)  # on the tensors themselves, not the detached views
         param_group["params"] = [p if p.is_leaf else p.detach() for p in params]
         super().add_param_group(param_group)
         self.param_groups[-1]["params"] = params

@@ -122,3 +122,17 @@ def test_an_unknown_key_is_an_error_naming_every_valid_key():
 def test_a_wrong_value_is_an_error_naming_the_section_and_the_key(key, value, error):
     with pytest.raises(error, match=f'^ds_config "coat": {key} must be .*{value!r}'):
         parse_section({"coat": {"fp8_activations": True, key: value}})
+
+
+def test_a_refused_param_group_leaves_the_model_parameter_table_in_group_order():
+    import torch
+
+    from coat_ds.optimizer import CoatFP8AdamW
+
+    a, b, c = (torch.nn.Parameter(torch.zeros(32)) for _ in range(3))
+    opt = CoatFP8AdamW([a])
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [b, a]})
+    opt.add_param_group({"params": [c]})
+    assert [len(ps) for ps in opt._model_params] == [1, 1] and opt._model_params[1][0] is c
+    assert opt.param_segments(c, 1) is None  # group 1's own parameter, found where it belongs

@@ -243,3 +243,15 @@ def test_megatron_training_parses_coat_optimizer(monkeypatch):
                                       "--coat-exp-avg-sq-format", "e5m2"])
     args = arguments.parse_args(ignore_unknown_args=True)
     assert args.coat_optimizer and args.use_distributed_optimizer and args.coat_exp_avg_sq_format == "e5m2"
+
+
+def test_a_shard_listed_in_two_param_groups_is_refused():
+    """The distributed optimizer's fp32 shards are views; the duplicate check sees the views themselves, not the
+    detached tensors handed to torch's leaf check."""
+    from coat_megatron.optimizer import MegatronCoatFP8AdamW
+
+    flat = torch.zeros(400, requires_grad=True)
+    a, b = flat[:200], flat[200:]  # non-leaf views
+    opts = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        MegatronCoatFP8AdamW([{"params": [a], **opts}, {"params": [b, a], **opts}])
