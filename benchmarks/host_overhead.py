@@ -28,7 +28,7 @@ import layer_common as lc  # noqa: E402
 
 from coat_hf import decoder  # noqa: E402
 from coat_hf.families import llama  # noqa: E402
-from coat_kernels.act import functional, fused_mlp, gemm, norm, rope, scaling, swiglu  # noqa: E402
+from coat_kernels.act import block_bodies, block_parts, functional, fused_mlp, gemm, norm, rope, rope_kernel, scaling, swiglu  # noqa: E402,E501
 from coat_kernels.act import tensor_quant as TQ  # noqa: E402
 
 BUSY_CYCLES = 400_000_000  # ~0.2 s of GPU sleep: longer than any host work measured here
@@ -56,7 +56,7 @@ def launch_marks(marks):
         marks.append((time.perf_counter(), "sdpa"))
         return r
 
-    gemm_users = (functional, fused_mlp)
+    gemm_users = (block_bodies,)
     JITFunction.run, torch.nn.functional.scaled_dot_product_attention = launch, sdpa
     for mod in gemm_users:
         mod.fp8_gemm = gemm_marked
@@ -113,7 +113,8 @@ def traced_forward(layer, x, params):
         return wrapper
 
     patched = []
-    for mod in (TQ, scaling, norm, swiglu, rope, gemm, functional, fused_mlp, decoder, llama):
+    for mod in (TQ, scaling, norm, swiglu, rope, rope_kernel, gemm, block_parts, block_bodies, functional, fused_mlp,
+                decoder, llama):
         for name, fn in list(vars(mod).items()):
             if inspect.isfunction(fn) and fn.__module__ == mod.__name__:
                 patched.append((mod, name, fn))

@@ -54,3 +54,9 @@ def require_triton_device(t, what: str) -> None:
                        f"{t.device}. On a CPU use backend='auto' (CPU tensors then take the bit-exact CPU path) or "
                        f"'torch'; to run the Triton kernels themselves on a CPU (slowly, for tests), set "
                        f"TRITON_INTERPRET=1 before the first import")
+
+
+@triton.jit
+def nanmax(a, b):
+    """max that propagates NaN (the combine function of amax reductions: a NaN or Inf anywhere stays visible)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)

@@ -12,7 +12,7 @@ What each block saves (docs/activations.md has the memory accounting):
 - fp8_swiglu_linear: gate/up as E4M3 1x16; silu, the product and its FP8 transpose are recomputed in backward.
 - fp8_norm_swiglu_mlp: norm -> fc1 -> SwiGLU -> fc2 in one node (what the three above save); backward takes the
   SwiGLU input gradient straight to E5M2 without writing it in BF16.
-- fp8_swiglu, fp8_gelu, fp8_silu: their input as E4M3 1x16.
+- fp8_gelu: its input as E4M3 1x16.
 Gradients: the output gradient of every GEMM is quantized to per-tensor E5M2 (row-major for dgrad, transposed
 for wgrad); dgrad = E5M2 x E4M3, wgrad = E5M2 x E4M3, fp32 accumulation.
 Inf/NaN: a GEMM whose input or output gradient holds Inf/NaN returns all-NaN (its per-tensor scale is NaN); a 1x16
@@ -28,55 +28,48 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import E4M3
-from . import compiled_ops
-from . import norm as norm_ops
-from . import pointwise, swiglu
-from .block_parts import (DEFAULT_CONFIG, block_env, keep_weights, linear_backward, norm_input_grad, norm_to_fp8,
-                          output_dtype, usable_cache, weight_rows)
+from . import block_bodies as body
+from . import compiled_ops, pointwise
+from .block_parts import (DEFAULT_CONFIG, WeightLike, WeightOperand, block_env, hand_off, kept_weight,
+                          output_dtype, usable_cache)
 from .config import ActivationConfig
-from .gemm import check_gemm_dims, fp8_gemm
 from .runtime import CoatRuntime
-from .scaling import finalize_scale
-from .tensor_quant import cast, quantize_tensor
 from .weights import WeightCache, WeightPieces, as_pieces
 
-__all__ = ["fp8_linear", "fp8_norm_linear", "fp8_add_norm_linear", "fp8_swiglu", "fp8_swiglu_linear", "fp8_gelu",
-           "fp8_silu"]
+__all__ = ["fp8_linear", "fp8_norm_linear", "fp8_add_norm_linear", "fp8_swiglu_linear", "fp8_gelu"]
+
+
+def save_weight(ctx, pieces: WeightPieces, cache, env) -> tuple:
+    """Remember a block's GEMM weight for backward: its description on ctx, the tensors to save (returned)."""
+    ctx.weight_like, ctx.cache = WeightLike(pieces), cache
+    return kept_weight(pieces, cache, env)
+
+
+def saved_weight(ctx, weights) -> WeightOperand:
+    """The weight operand of backward, from what save_weight kept."""
+    return WeightOperand(ctx.weight_like, WeightPieces(weights) if weights else None, ctx.cache)
+
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, cache, reuse_input, env, *weights):
         pieces = WeightPieces(weights)
-        k, n = x.shape[-1], pieces.shape[0]
-        check_gemm_dims(k, n, "fp8_linear")
-        x2 = x.reshape(-1, k)
-        x8, x8_t, x_scale = quantize_tensor(x2, E4M3, env.use_triton, write_t=not reuse_input, tickets=env.tickets)
-        w8, w_scale = weight_rows(pieces, cache, env)
-        ctx.out_dtype, ctx.cache, ctx.reuse_input, ctx.env = output_dtype(x), cache, reuse_input, env
+        y, x8_t, x_scale, w_scale = body.linear_forward(x, pieces, bias, cache, reuse_input, env)
+        ctx.out_dtype, ctx.reuse_input, ctx.env = output_dtype(x), reuse_input, env
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.save_for_backward(x if reuse_input else x8_t, x_scale, w_scale, *keep_weights(ctx, pieces, cache, env))
-        y = fp8_gemm(x8, w8, x_scale, w_scale, ctx.out_dtype, bias, fast_accum=env.fast_accum)
-        return y.reshape(*x.shape[:-1], n)
+        ctx.save_for_backward(x if reuse_input else x8_t, x_scale, w_scale, *save_weight(ctx, pieces, cache, env))
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         saved_x, x_scale, w_scale, *weights = ctx.saved_tensors
-        k = ctx.weight_like.shape[1]
-
-        def input_t():
-            if ctx.reuse_input:
-                return cast(saved_x.reshape(-1, k), x_scale, E4M3, ctx.env.use_triton, write_row=False,
-                            write_t=True)[1]
-            return saved_x
-
         need = ctx.needs_input_grad
-        dx, dws, db = linear_backward(ctx, dy, WeightPieces(weights) if weights else None, w_scale, x_scale,
-                                       input_t, need[0], any(need[5:]), ctx.bias_dtype is not None and need[1])
+        dx, dw, db = body.linear_backward(dy, saved_x, x_scale, w_scale, saved_weight(ctx, weights), ctx.reuse_input,
+                                          ctx.out_dtype, need[0], any(need[5:]),
+                                          ctx.bias_dtype if need[1] else None, ctx.env)
         if dx is not None:
-            dx = dx.reshape(*dy.shape[:-1], k)
-        return (dx, db, None, None, None) + dws
-
+            dx = dx.reshape(*dy.shape[:-1], dx.shape[-1])
+        return (dx, db, None, None, None) + ctx.weight_like.split(dw)
 
 def fp8_linear(x, weight, bias=None, *, config: ActivationConfig | None = None, runtime: CoatRuntime | None = None,
                weight_cache: WeightCache | None = None, reuse_input: bool = False):
@@ -95,20 +88,15 @@ class _Fp8NormLinear(torch.autograd.Function):
     def forward(ctx, x, residual, norm_weight, norm_bias, bias, cache, kind, eps, zero_centered, residual_out, env,
                 *weights):
         pieces = WeightPieces(weights)
-        hdim, n = x.shape[-1], pieces.shape[0]
-        check_gemm_dims(hdim, n, "fp8_norm_linear")
-        h, q, e, mean, rstd, y_scale, y8 = norm_to_fp8(x, residual, norm_weight, norm_bias, kind, eps,
-                                                        zero_centered, env)
-        w8, w_scale = weight_rows(pieces, cache, env)
-        ctx.out_dtype, ctx.cache, ctx.zero_centered, ctx.env = output_dtype(x), cache, zero_centered, env
+        out, h, q, e, mean, rstd, y_scale, w_scale = body.norm_linear_forward(
+            x, residual, norm_weight, norm_bias, pieces, bias, cache, kind, eps, zero_centered, env)
+        ctx.out_dtype, ctx.zero_centered, ctx.env = output_dtype(x), zero_centered, env
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.has_residual, ctx.residual_out, ctx.shape = residual is not None, residual_out, x.shape
         ctx.save_for_backward(q, e, mean, rstd, norm_weight, norm_bias, y_scale, w_scale,
-                              *keep_weights(ctx, pieces, cache, env))
-        out = fp8_gemm(y8, w8, y_scale, w_scale, ctx.out_dtype, bias, fast_accum=env.fast_accum)
-        out = out.reshape(*x.shape[:-1], n)
+                              *save_weight(ctx, pieces, cache, env))
         if residual is not None:
-            return out, h.reshape(x.shape)
+            return out, h
         if residual_out:  # x itself, as the residual stream: its gradient joins the norm backward (no add)
             return out, x
         return out
@@ -116,22 +104,17 @@ class _Fp8NormLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dh=None):
         q, e, mean, rstd, norm_weight, norm_bias, y_scale, w_scale, *weights = ctx.saved_tensors
-
-        def norm_out_t():
-            return norm_ops.norm_cast(q, e, mean, rstd, norm_weight, norm_bias, y_scale, ctx.env.use_triton,
-                                      zero_centered=ctx.zero_centered, write_row=False, write_t=True)[1]
-
         need = ctx.needs_input_grad
-        need_dx = any(need[:4])
-        dy_norm, dws, db = linear_backward(ctx, dout, WeightPieces(weights) if weights else None, w_scale, y_scale,
-                                            norm_out_t, need_dx, any(need[11:]),
-                                            ctx.bias_dtype is not None and need[4])
-        dx = dnw = dnb = None
-        if need_dx:
-            dres = dh.reshape(q.shape) if ((ctx.has_residual or ctx.residual_out) and dh is not None) else None
-            dx, dnw, dnb = norm_input_grad(ctx, q, e, mean, rstd, norm_weight, norm_bias, dy_norm, dres)
-        return (dx, (dx if ctx.has_residual else None), dnw, dnb, db, None, None, None, None, None, None) + dws
-
+        dres = dh if (ctx.has_residual or ctx.residual_out) else None
+        dx, dnw, dnb, amax, dw, db = body.norm_linear_backward(
+            dout, dres, q, e, mean, rstd, norm_weight, norm_bias, y_scale, w_scale, saved_weight(ctx, weights),
+            ctx.zero_centered, ctx.out_dtype, any(need[:4]), any(need[11:]), ctx.bias_dtype if need[4] else None,
+            ctx.env)
+        if dx is not None:
+            dx = dx.reshape(ctx.shape)
+            hand_off(ctx.env, dx, amax)
+        return ((dx, (dx if ctx.has_residual else None), dnw, dnb, db, None, None, None, None, None, None)
+                + ctx.weight_like.split(dw))
 
 def fp8_norm_linear(x, norm_weight, norm_bias, weight, bias=None, *, norm="rmsnorm", eps=1e-5,
                     zero_centered_gamma=False, residual_out: bool = False, config: ActivationConfig | None = None,
@@ -165,37 +148,24 @@ class _Fp8SwigluLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, cache, env, *weights):
         pieces = WeightPieces(weights)
-        f2, n = x.shape[-1], pieces.shape[0]
-        check_gemm_dims(f2 // 2, n, "fp8_swiglu_linear")
-        q, e, amax, _ = swiglu.swiglu_forward(x.reshape(-1, f2), env.use_triton, tickets=env.tickets)
-        p_scale = finalize_scale(amax, E4M3, env.use_triton)
-        p8, _ = swiglu.swiglu_cast(q, e, p_scale, env.use_triton)
-        w8, w_scale = weight_rows(pieces, cache, env)
-        ctx.out_dtype, ctx.cache, ctx.shape, ctx.x_dtype, ctx.env = output_dtype(x), cache, x.shape, x.dtype, env
+        out, q, e, p_scale, w_scale = body.swiglu_linear_forward(x, pieces, bias, cache, env)
+        ctx.out_dtype, ctx.shape, ctx.x_dtype, ctx.env = output_dtype(x), x.shape, x.dtype, env
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.save_for_backward(q, e, p_scale, w_scale, *keep_weights(ctx, pieces, cache, env))
-        out = fp8_gemm(p8, w8, p_scale, w_scale, ctx.out_dtype, bias, fast_accum=env.fast_accum)
-        return out.reshape(*x.shape[:-1], n)
+        ctx.save_for_backward(q, e, p_scale, w_scale, *save_weight(ctx, pieces, cache, env))
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, e, p_scale, w_scale, *weights = ctx.saved_tensors
-        env = ctx.env
-
-        def product_t():
-            return swiglu.swiglu_cast(q, e, p_scale, env.use_triton, write_row=False, write_t=True)[1]
-
         need = ctx.needs_input_grad
-        dp, dws, db = linear_backward(ctx, dout, WeightPieces(weights) if weights else None, w_scale, p_scale,
-                                       product_t, need[0], any(need[4:]), ctx.bias_dtype is not None and need[1])
-        dx = None
-        if dp is not None:
-            dx, amax = swiglu.swiglu_backward(q, e, dp, env.use_triton, tickets=env.tickets)
-            dx = dx.to(ctx.x_dtype).reshape(ctx.shape)
-            if ctx.x_dtype == torch.bfloat16 and env.handoff is not None:
-                env.handoff.give(dx, amax)
-        return (dx, db, None, None) + dws
-
+        dx, amax, dw, db = body.swiglu_linear_backward(
+            dout, q, e, p_scale, w_scale, saved_weight(ctx, weights), ctx.out_dtype, ctx.x_dtype, need[0],
+            any(need[4:]), ctx.bias_dtype if need[1] else None, ctx.env)
+        if dx is not None:
+            dx = dx.reshape(ctx.shape)
+            if ctx.x_dtype == torch.bfloat16:
+                hand_off(ctx.env, dx, amax)
+        return (dx, db, None, None) + ctx.weight_like.split(dw)
 
 def fp8_swiglu_linear(x, weight, bias=None, *, config: ActivationConfig | None = None,
                       runtime: CoatRuntime | None = None, weight_cache: WeightCache | None = None):
@@ -205,29 +175,6 @@ def fp8_swiglu_linear(x, weight, bias=None, *, config: ActivationConfig | None =
         return compiled_ops.fp8_swiglu_linear(x, weight, bias, config)
     return _Fp8SwigluLinear.apply(x, bias, usable_cache(weight_cache, config, runtime), block_env(x, config, runtime),
                                   *as_pieces(weight).tensors)
-
-
-class _Fp8Swiglu(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, env):
-        f2 = x.shape[-1]
-        q, e, _, y = swiglu.swiglu_forward(x.reshape(-1, f2), env.use_triton, write_out=True, tickets=env.tickets)
-        ctx.save_for_backward(q, e)
-        ctx.shape, ctx.x_dtype, ctx.env = x.shape, x.dtype, env
-        return y.reshape(*x.shape[:-1], f2 // 2)
-
-    @staticmethod
-    def backward(ctx, dy):
-        q, e = ctx.saved_tensors
-        dx, _ = swiglu.swiglu_backward(q, e, dy.reshape(q.shape[0], -1), ctx.env.use_triton, tickets=ctx.env.tickets)
-        return dx.to(ctx.x_dtype).reshape(ctx.shape), None
-
-
-def fp8_swiglu(x, *, config: ActivationConfig | None = None):
-    """silu(gate) * up with [gate | up] = x.chunk(2, -1); saves x as E4M3 1x16."""
-    if torch.compiler.is_compiling():
-        return compiled_ops.fp8_swiglu(x, config)
-    return _Fp8Swiglu.apply(x, block_env(x, config, None))
 
 
 class _Fp8Pointwise(torch.autograd.Function):
@@ -249,10 +196,3 @@ def fp8_gelu(x, *, config: ActivationConfig | None = None):
     if torch.compiler.is_compiling():
         return compiled_ops.fp8_act(x, "gelu", config)
     return _Fp8Pointwise.apply(x, "gelu", (config or DEFAULT_CONFIG).use_triton(x))
-
-
-def fp8_silu(x, *, config: ActivationConfig | None = None):
-    """SiLU; saves x as E4M3 1x16."""
-    if torch.compiler.is_compiling():
-        return compiled_ops.fp8_act(x, "silu", config)
-    return _Fp8Pointwise.apply(x, "silu", (config or DEFAULT_CONFIG).use_triton(x))

@@ -16,11 +16,12 @@ import triton
 import triton.language as tl
 
 from ..formats import E4M3, E5M2
+from ..triton_fp8 import nanmax
 from .group_quant import (SCALE_DTYPE, amax_partials_reference, group_dequantize_reference,
                           group_quantize_reference)
 from .scaling import ScaleTickets, StageOneAmax, stage_two_args, store_partial
 from .tensor_quant import cast_reference
-from .tiles import (GROUP, cdiv, check_group_dim, group_tile, load_group_tile, nanmax, next_power_of_2, pad16,
+from .tiles import (GROUP, cdiv, check_group_dim, group_tile, load_group_tile, next_power_of_2, pad16,
                     quantize_group_tile, store_cast_groups, tile_amax)
 
 

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8Format, get_format
-from .tiles import cdiv, nanmax, next_power_of_2
+from ..triton_fp8 import nanmax
+from .tiles import cdiv, next_power_of_2
 
 
 class StageOneAmax(NamedTuple):

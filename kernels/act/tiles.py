@@ -8,7 +8,7 @@ layout (with rows first, the compiler moved the codes through shared memory to m
 import triton
 import triton.language as tl
 
-from ..triton_fp8 import round_to_fp8_grid, to_e4m3, to_e5m2
+from ..triton_fp8 import nanmax, round_to_fp8_grid, to_e4m3, to_e5m2
 
 GROUP = 16  # elements per 1x16 scaling group
 
@@ -19,12 +19,6 @@ def fp8_cast(y, E5M2_OUT: tl.constexpr):
         return to_e5m2(y)
     else:
         return to_e4m3(y)
-
-
-@triton.jit
-def nanmax(a, b):
-    """max that propagates NaN (combine function of the amax reductions)."""
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit

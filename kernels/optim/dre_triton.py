@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..formats import get_format
 from ..portable_math import exp2_p, fma_p, log2_p
-from ..triton_fp8 import INTERPRET, to_e4m3, to_e5m2
+from ..triton_fp8 import INTERPRET, nanmax, to_e4m3, to_e5m2
 from .config import triton_supports_group_size
 from .dre_reference import LOG2_RATIO_EPS, AdamWScalars, DREConfig, f32
 from .grouping import GroupLayout
@@ -136,11 +136,6 @@ def _row_tile(row, GROUP: tl.constexpr, NG: tl.constexpr):
 
 
 @triton.jit
-def _max_propagate_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
 def _decode_group_tile(raw, meta, n_groups, gid, gmask, log2_table, LOG2_MAX: tl.constexpr,
                        SIGNED: tl.constexpr = True):
     """Codes [NG, GROUP] of groups `gid` -> fp32 values."""
@@ -244,7 +239,7 @@ def _adamw_tile(
 
     m_abs = tl.where(mask, tl.abs(m), 0.0)
     v_abs = tl.where(mask, v, 0.0)
-    v_big = tl.reduce(v_abs, 1, _max_propagate_nan)
+    v_big = tl.reduce(v_abs, 1, nanmax)
     if SKIP_NONFINITE:  # groups whose new v is NaN/Inf keep everything
         bad = ~(v_big < float("inf"))
         n_bad = tl.sum(bad.to(tl.int32), axis=0)
