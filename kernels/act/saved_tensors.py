@@ -12,7 +12,7 @@ import torch
 def saved_by_node(node) -> list:
     """The tensors one autograd node saved for its backward."""
     if isinstance(node, torch.autograd.function.BackwardCFunction):  # a Python autograd Function's context
-        return list(node.saved_tensors)
+        return [t for t in node.saved_tensors if t is not None]  # (save_for_backward takes None for an absent one)
     values = (getattr(node, name) for name in _saved_names(type(node)))
     return [t for t in values if isinstance(t, torch.Tensor)]
 

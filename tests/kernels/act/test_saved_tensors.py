@@ -43,3 +43,21 @@ def test_stale_nodes_fail_or_are_skipped():
         saved_by_graph(y.grad_fn)
     # the stale node is left out; the walk goes on past it to Double, which saved d
     assert storages(saved_by_graph(y.grad_fn, skip_stale=True)) == {d.untyped_storage().data_ptr()}
+
+
+class SavesNone(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(None, x)  # an absent tensor (LayerNorm's mean under RMSNorm, say)
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 3
+
+
+def test_absent_saved_tensors_are_left_out():
+    x = torch.randn(4, requires_grad=True)
+    y = SavesNone.apply(x)
+    assert saved_by_node(y.grad_fn) == [x]
+    assert [t is x for t in saved_by_graph(y.grad_fn)] == [True]
