@@ -106,29 +106,33 @@ def decoder_layer(layer, state: LayerState, x, position_embeddings, mask=None, k
     """One decoder layer of x [b, s, h] on the FP8 blocks (see the module docstring) -> [b, s, h]. kwargs: what the
     model passed the layer for its attention (position_ids, packed-sequence boundaries, ...). rows: in a graphed call
     on a padded x, the number of real positions (a 0-dim tensor): the rows past it of the attention output (and of
-    the output, where biases would make them nonzero) are zeroed (coat_hf.graphed_calls)."""
+    the output, where biases would make them nonzero) are zeroed (coat_hf.graphed_calls). A family with its own
+    `layer_forward` (its layer is not this composition) runs that, with these arguments."""
+    if state.family.layer_forward is not None:
+        return state.family.layer_forward(layer, state, x, position_embeddings, mask, kv_cache, kwargs, rows)
+    family = state.family
     attn, mlp = layer.self_attn, layer.mlp
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
     kw = dict(config=state.config, runtime=state.runtime)
-    offset = state.family.norm_offset
+    offset = family.norm_offset
     b, s, h = x.shape
     qkv_bias = None
     if attn.q_proj.bias is not None:
         qkv_bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
     qkv, residual = fp8_norm_linear(x.reshape(b * s, h), norm1.weight, None,
                                     (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight), qkv_bias,
-                                    eps=norm1.variance_epsilon, zero_centered_gamma=offset, residual_out=True,
+                                    eps=family.norm_eps(norm1), zero_centered_gamma=offset, residual_out=True,
                                     weight_cache=state.qkv_cache, **kw)
-    q, k, v = state.family.rotary(attn, qkv, b, s, position_embeddings, state)
+    q, k, v = family.rotary(attn, qkv, b, s, position_embeddings, state)
     if kv_cache is not None:
         k, v = kv_cache.update(k, v, attn.layer_idx)
-    o, kept = attention.attend(attn, q, k, v, mask, state.family.attention_kwargs(attn), kwargs or {})
+    o, kept = attention.attend(attn, q, k, v, mask, family.attention_kwargs(attn), kwargs or {})
     if rows is not None:
         graphed_calls.zero_padded_rows(o, rows, s)
     a = fp8_linear(o, attn.o_proj.weight, attn.o_proj.bias, reuse_input=kept, weight_cache=state.o_cache, **kw)
     y, hsum = fp8_norm_swiglu_mlp(a, norm2.weight, None, (mlp.gate_proj.weight, mlp.up_proj.weight),
                                   mlp.down_proj.weight, fc2_bias=mlp.down_proj.bias, residual=residual,
-                                  eps=norm2.variance_epsilon, zero_centered_gamma=offset,
+                                  eps=family.norm_eps(norm2), zero_centered_gamma=offset,
                                   fc1_cache=state.fc1_cache, fc2_cache=state.fc2_cache, **kw)
     out = hsum + y
     if rows is not None and (attn.o_proj.bias is not None or mlp.down_proj.bias is not None):
