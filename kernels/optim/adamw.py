@@ -54,23 +54,24 @@ CACHES = ("_layouts", "_launchers", "_plans")  # rebuilt on the next step: left 
 # what load_state_dict keeps as saved (torch would cast it to the parameter's dtype)
 LOADED_KEYS = coat_state.ENTRY_KEYS + coat_state.MOMENTS + (REMAINDER,)
 
-# torch.optim.AdamW options accepted only at their default value.
-TORCH_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "fused": None, "capturable": False,
-                  "differentiable": False}
-
 
 class CoatFP8AdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  config: OptimizerConfig | None = None, **options):
         coat = {k: options.pop(k) for k in list(options) if k in OPTION_NAMES}
         for name, value in options.items():
-            if name not in TORCH_DEFAULTS:
-                valid = ", ".join(("lr", "betas", "eps", "weight_decay", "config") + OPTION_NAMES)
-                raise ValueError(f"CoatFP8AdamW got an unknown option {name!r}; valid options: {valid}")
-            if value != TORCH_DEFAULTS[name] and not (name in ("foreach", "fused") and value is False):
+            if name not in validation.TORCH_ADAMW_DEFAULTS:
+                valid = ", ".join(("lr", "betas", "eps", "weight_decay") + OPTION_NAMES)
+                raise ValueError(f"CoatFP8AdamW got an unknown option {name!r}; valid options: {valid} (in Python "
+                                 "also config=OptimizerConfig(...), which these options override)")
+            if value != validation.TORCH_ADAMW_DEFAULTS[name] and not (name in ("foreach", "fused") and value is False):
                 raise ValueError(f"CoatFP8AdamW does not support {name}={value!r}")
+        if config is not None and not isinstance(config, OptimizerConfig):
+            raise TypeError(f"CoatFP8AdamW: config must be an OptimizerConfig, got {type(config).__name__}; pass "
+                            "the COAT options as keyword arguments (ds_config: in \"params\") or "
+                            "OptimizerConfig(**options)")
         self.config = (config or DEFAULTS).replace(**coat)
-        _check_hyper_parameters(lr, betas, eps, weight_decay)
+        validation.check_hyper_parameters(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **self.config.group_options)
         super().__init__(params, defaults)
         self._reset_caches()
@@ -82,8 +83,10 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         params = param_group["params"] if isinstance(param_group, dict) and "params" in param_group else []
         if not isinstance(params, (torch.Tensor, set)):  # torch refuses sets itself
             params = param_group["params"] = list(params)
-            validation.check_distinct_tensors([q[1] if isinstance(q, tuple) else q for q in params],
-                                              self.param_groups)
+            tensors = [q[1] if isinstance(q, tuple) else q for q in params]
+            validation.check_distinct_tensors(tensors, self.param_groups)
+            for p in tensors:
+                backends.check_device(self.config.backend, p)
         super().add_param_group(param_group)
 
     def _reset_caches(self):
@@ -240,7 +243,7 @@ class CoatFP8AdamW(torch.optim.Optimizer):
             return None
         grads = [g for g in grads if g is not None]
         cfg = self.group_config(group)
-        _check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        validation.check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         signature = (tuple(map(id, params)), tuple((g.dtype, g.layout, g.shape) for g in grads), cfg)
         plan = self._plans.get(id(group))
         if plan is None or plan.signature != signature or not all(
@@ -411,10 +414,13 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         """torch's load_state_dict, after every entry has been checked against its parameter, layout and param group
         (coat_kernels.optim.validation.validate_entry, values scanned): a bad entry raises StateError and leaves the
         optimizer as it was. FP8 codes stay FP8 and metadata fp32 (torch would cast them to the parameter's dtype).
-        A saved group's COAT options are restored with it; a group saved without them (a torch.optim.AdamW run)
-        gets this optimizer's."""
+        lr, betas and the other torch hyper-parameters are the checkpoint's, as in torch. A saved group holding FP8
+        moments must have this optimizer's COAT options (group size, formats, expansion): other ones raise StateError
+        naming them. A group holding fp32 moments (torch's layout) restores its saved COAT options; one saved
+        without them (a torch.optim.AdamW run) gets this optimizer's."""
         id_to_param = checkpoint.check_state_dict(state_dict, self.param_groups, self._loaded_group_config,
                                                   self._check_entry)
+        checkpoint.check_kept_options(state_dict, self.param_groups, GROUP_OPTION_NAMES)
         checkpoint.load_keeping_dtypes(self, super().load_state_dict, state_dict, id_to_param, LOADED_KEYS)
         for group in self.param_groups:  # saved groups from older runs may lack options: this run's defaults
             for key, value in self.config.group_options.items():
@@ -424,7 +430,7 @@ class CoatFP8AdamW(torch.optim.Optimizer):
     def _loaded_group_config(self, saved: dict, where: str) -> OptimizerConfig:
         """The COAT options a saved param group's entries are checked against (this optimizer's where it has none);
         torch.optim.AdamW options CoatFP8AdamW lacks are refused."""
-        _check_torch_options(saved, where)
+        validation.check_torch_options(saved, where)
         try:
             return self.config.replace(**{k: saved[k] for k in GROUP_OPTION_NAMES if k in saved})
         except (TypeError, ValueError) as exc:
@@ -461,28 +467,6 @@ def _where(p, group_index: int, position: int) -> str:
     return f"CoatFP8AdamW state of parameter {position} (shape {tuple(p.shape)}, param group {group_index})"
 
 
-def _check_torch_options(saved_group: dict, where: str) -> None:
-    """A saved group of torch.optim.AdamW may hold options CoatFP8AdamW does not have: refused."""
-    for name, default in TORCH_DEFAULTS.items():
-        value = saved_group.get(name, default)
-        if value != default and not (name in ("foreach", "fused") and value is False):
-            hint = " (its state holds max_exp_avg_sq; continue that run with torch.optim.AdamW)" if name == "amsgrad" \
-                else ""
-            raise StateError(f"{where} has {name}={value!r}, which CoatFP8AdamW does not support{hint}")
-
-
 @lru_cache(maxsize=256)
 def _group_config(base: OptimizerConfig, values: tuple) -> OptimizerConfig:
     return base.replace(**{name: value for name, (_, value) in zip(GROUP_OPTION_NAMES, values)})
-
-
-def _check_hyper_parameters(lr, betas, eps, weight_decay):
-    try:
-        beta1, beta2 = betas
-        ok = lr >= 0 and 0 <= beta1 < 1 and 0 <= beta2 < 1 and eps >= 0 and weight_decay >= 0
-        ok = ok and all(math.isfinite(v) for v in (lr, beta1, beta2, eps, weight_decay))
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ValueError(f"invalid AdamW hyper-parameters: lr={lr!r}, betas={betas!r}, eps={eps!r}, "
-                         f"weight_decay={weight_decay!r} (need lr, eps, weight_decay >= 0 and 0 <= beta < 1)")

@@ -8,6 +8,9 @@ skipped for non-finite gradients.
 """
 from __future__ import annotations
 
+import warnings
+from functools import cache
+
 import torch
 
 from ..triton_fp8 import require_triton_device
@@ -16,8 +19,17 @@ from .grouping import concat_layouts
 from .state import CODE_KEYS, META_KEYS, REMAINDER_KEY
 
 
+def check_device(backend: str, p: torch.Tensor) -> None:
+    """At construction: backend="triton" refuses a tensor the Triton kernels cannot run on (a CPU tensor without
+    the interpreter), naming the backend to use instead."""
+    if backend == "triton":
+        require_triton_device(p, "CoatFP8AdamW")
+
+
 def use_triton(backend: str, p: torch.Tensor, group_size: int) -> bool:
-    """Whether the Triton kernel steps `p` (and its groups of `group_size`) under `backend`."""
+    """Whether the Triton kernel steps `p` (and its groups of `group_size`) under `backend`. Under "auto", CUDA
+    tensors with a group size the kernel does not take are stepped by the torch reference, with one warning per
+    group size."""
     from .dre_triton import supports_group_size
 
     if backend == "triton":
@@ -25,7 +37,19 @@ def use_triton(backend: str, p: torch.Tensor, group_size: int) -> bool:
             raise ValueError(f"backend='triton' needs a power-of-two group_size >= 4, got {group_size}")
         require_triton_device(p, "CoatFP8AdamW")
         return True
-    return backend == "auto" and p.is_cuda and supports_group_size(group_size)
+    if backend != "auto" or not p.is_cuda:
+        return False
+    if not supports_group_size(group_size):
+        warn_reference_fallback(group_size)
+        return False
+    return True
+
+
+@cache
+def warn_reference_fallback(group_size: int) -> None:
+    warnings.warn(f"CoatFP8AdamW: group_size={group_size} is not a power of two >= 4, which the fused Triton kernel "
+                  "needs: CUDA tensors are stepped by the torch reference (same bits, many times slower). Use a "
+                  "power-of-two group_size (128 by default) for the fused kernel.", RuntimeWarning, stacklevel=3)
 
 
 def launch_triton(launchers: dict, device, items, m_cfg, v_cfg, counter, remainder: bool) -> None:

@@ -86,6 +86,29 @@ def check_state_dict(state_dict, param_groups: list, check_group: GroupCheck, ch
     return {pid: target[0] for pid, target in targets.items()}
 
 
+def check_kept_options(state_dict: dict, param_groups: list, option_names: tuple) -> None:
+    """StateError when a saved param group holding FP8 entries was saved with other COAT options (`option_names`)
+    than this optimizer's group has: torch's load would put the saved options in place of the ones this run was
+    given (its ds_config "params", its keyword arguments), silently. fp32 moments (torch.optim.AdamW's layout) are
+    quantized at the next step and load under any options."""
+    state = state_dict["state"]
+    for index, (group, saved) in enumerate(zip(param_groups, state_dict["param_groups"])):
+        if not any(is_coat_state(state.get(pid)) for pid in saved["params"]):
+            continue
+        changed = [(name, saved[name], group[name]) for name in option_names
+                   if name in saved and name in group and saved[name] != group[name]]
+        if changed:
+            was = ", ".join(f"{name}={old!r}" for name, old, _ in changed)
+            now = ", ".join(f"{name}={new!r}" for name, _, new in changed)
+            keep = ", ".join(f"set {name}={old!r}" for name, old, _ in changed)
+            raise StateError(
+                f"param group {index} of the loaded state dict holds FP8 moments quantized with {was}; this optimizer "
+                f"has {now} (its options or ds_config \"params\"). To resume, {keep}. To change them, convert the "
+                "moments to fp32 first: `python -m coat_ds.to_universal` for a DeepSpeed checkpoint, "
+                "`optimizer.torch_adamw_state_dict()` or coat_kernels.optim.to_fp32 otherwise; fp32 moments are "
+                "quantized with this run's options")
+
+
 def load_keeping_dtypes(optimizer: torch.optim.Optimizer, load: Callable[[dict], None], state_dict: dict,
                         id_to_param: dict, kept_keys: tuple) -> None:
     """`load(state_dict)` (torch's load_state_dict), then each entry's `kept_keys` put back as saved, on its tensor's

@@ -169,11 +169,11 @@ def entry_bytes(entry: dict) -> int:
     return sum(tensor_bytes(t) for t in entry.values() if isinstance(t, torch.Tensor))
 
 
-def state_report(optimizers: Iterable[torch.optim.Optimizer]) -> dict:
+def state_report(optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]) -> dict:
     """Optimizer-state bytes (every state tensor: moments, their metadata, master remainders or master copies,
-    steps) against the elements of the tensors that hold a state, over one process's torch optimizers (CoatFP8AdamW
-    or any other, TransformerEngine's FusedAdam with FP8 moments included)."""
-    optimizers = list(optimizers)
+    steps) against the elements of the tensors that hold a state, over one process's torch optimizer or optimizers
+    (CoatFP8AdamW or any other, TransformerEngine's FusedAdam with FP8 moments included)."""
+    optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
     state_bytes = sum(entry_bytes(s) for opt in optimizers for s in opt.state.values())
     numel = sum(p.numel() for opt in optimizers for p in opt.state)
     names = "+".join(sorted({type(opt).__name__ for opt in optimizers}))

@@ -11,6 +11,7 @@ its tensors and gradients (`check_param_and_grad`), that each entry describes it
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -310,3 +311,40 @@ def check_param_and_grad(p, g) -> None:
         raise RuntimeError(f"gradient shape {tuple(g.shape)} differs from parameter shape {tuple(p.shape)}")
     if not p.is_contiguous():
         raise RuntimeError("CoatFP8AdamW needs contiguous parameters")
+
+
+# torch.optim.AdamW options accepted only at their default value.
+TORCH_ADAMW_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "fused": None, "capturable": False,
+                        "differentiable": False}
+
+
+def check_torch_options(saved_group: dict, where: str) -> None:
+    """A saved group of torch.optim.AdamW may hold options CoatFP8AdamW does not have: refused."""
+    for name, default in TORCH_ADAMW_DEFAULTS.items():
+        value = saved_group.get(name, default)
+        if value != default and not (name in ("foreach", "fused") and value is False):
+            hint = " (its state holds max_exp_avg_sq; continue that run with torch.optim.AdamW)" if name == "amsgrad" \
+                else ""
+            raise StateError(f"{where} has {name}={value!r}, which CoatFP8AdamW does not support{hint}")
+
+
+def check_hyper_parameters(lr, betas, eps, weight_decay):
+    """TypeError or ValueError naming the hyper-parameter that is not a finite number in its range."""
+    where = "CoatFP8AdamW hyper-parameters: "
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2 or any(
+            isinstance(b, bool) or not isinstance(b, numbers.Real) for b in betas):
+        raise TypeError(f"{where}betas must be a pair of numbers like (0.9, 0.999), got {betas!r}")
+    values = {"lr": lr, "betas[0]": betas[0], "betas[1]": betas[1], "eps": eps, "weight_decay": weight_decay}
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:  # torch's optimizers take tensor hyper-parameters
+            value = values[name] = value.item()
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{where}{name} must be a number, got {value!r} ({type(value).__name__})")
+        if not math.isfinite(value):
+            raise ValueError(f"{where}{name} must be finite, got {value!r}")
+    for name in ("lr", "eps", "weight_decay"):
+        if not values[name] >= 0:
+            raise ValueError(f"{where}{name} must be >= 0, got {values[name]!r}")
+    for name in ("betas[0]", "betas[1]"):
+        if not 0 <= values[name] < 1:
+            raise ValueError(f"{where}{name} must be in [0, 1), got {values[name]!r}")
