@@ -5,9 +5,10 @@ pipeline and hybrid engines run it through `super().__init__`):
 - before DeepSpeed's own check of the ds_config's optimizer type, a near miss of "CoatFP8AdamW" (a wrong case, a
   typo) fails with the right name instead of DeepSpeed's "is not a supported DeepSpeed Optimizer";
 - the `"coat"` section (coat_ds.ds_config): with `"fp8_activations": true` the model is converted
-  (coat_hf.convert_to_coat) before DeepSpeed wraps and partitions it; a top-level key that looks like a misspelt
-  "coat" ("COAT", "coat_fp8", ...) is an error, since DeepSpeed would ignore it; `"cuda_graphs": true` under ZeRO-3
-  (where the layers run eagerly) is named in a warning;
+  (coat_hf.convert_to_coat) before DeepSpeed wraps and partitions it, and put back as it was when DeepSpeed's own
+  checks then refuse the config (coat_ds.model_snapshot); `"backend": "triton"` without CUDA is refused; a top-level
+  key that looks like a misspelt "coat" ("COAT", "coat_fp8", ...) is an error, since DeepSpeed would ignore it;
+  `"cuda_graphs": true` under ZeRO-3 (where the layers run eagerly) is named in a warning;
 - after the engine is built: under ZeRO-1/2 each parameter is linked to its optimizer (DeepSpeed's
   `_create_optimizer_mapping`, which DeepSpeed itself runs only with CPU offload), for
   coat_ds.full_optimizer_state; the converted model's weight-cache clock ticks after every step of the engine's torch
@@ -22,6 +23,7 @@ import logging
 import torch
 
 from . import patch_sites
+from .model_snapshot import ModelSnapshot
 from .optimizer import OPTIMIZER_NAME, CoatFP8AdamW
 
 logger = logging.getLogger("coat_ds")
@@ -42,6 +44,16 @@ def check_optimizer_type(name) -> None:
                          f'did you mean "{OPTIMIZER_NAME}" (coat-fp8\'s FP8 AdamW; the name is case-sensitive)?')
 
 
+def check_backend_device(backend: str) -> None:
+    """ValueError for "backend": "triton" on a machine without CUDA (and without Triton's interpreter), at
+    deepspeed.initialize rather than at the first forward."""
+    from coat_kernels import triton_fp8
+
+    if backend == "triton" and not torch.cuda.is_available() and not triton_fp8.INTERPRET:
+        raise ValueError('ds_config "coat": "backend": "triton" runs the Triton kernels, which need CUDA; this '
+                         'machine has none. Use "backend": "auto" (on a CPU: the bit-exact torch path) or "torch"')
+
+
 def convert_for_section(model, ds_config: dict | None, config_class) -> bool:
     """Convert `model` when the ds_config's "coat" section asks for FP8 activations; returns whether it did."""
     from .ds_config import parse_section
@@ -49,6 +61,7 @@ def convert_for_section(model, ds_config: dict | None, config_class) -> bool:
     section = parse_section(ds_config)
     if section is None or not section.fp8_activations:
         return False
+    check_backend_device(section.activation.backend)
     from coat_hf import convert_to_coat
 
     stage = config_class.zero_optimization_stage if config_class is not None else 0
@@ -103,9 +116,14 @@ def _engine_init_with_coat(original):
         if config_class is not None:
             check_optimizer_type(getattr(config_class, "optimizer_name", None))
         model = kwargs.get("model", args[1] if len(args) > 1 else None)
-        if model is not None:
-            convert_for_section(model, kwargs.get("config"), config_class)
-        original(self, *args, **kwargs)
+        snapshot = ModelSnapshot(model) if isinstance(model, torch.nn.Module) else None
+        converted = model is not None and convert_for_section(model, kwargs.get("config"), config_class)
+        try:
+            original(self, *args, **kwargs)
+        except BaseException:
+            if converted:  # DeepSpeed refused the config: the caller gets back the model it passed
+                snapshot.restore()
+            raise
         finish_engine(self)  # also for a model converted by the user before deepspeed.initialize
 
     return __init__

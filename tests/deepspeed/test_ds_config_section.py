@@ -136,3 +136,53 @@ def test_a_refused_param_group_leaves_the_model_parameter_table_in_group_order()
     opt.add_param_group({"params": [c]})
     assert [len(ps) for ps in opt._model_params] == [1, 1] and opt._model_params[1][0] is c
     assert opt.param_segments(c, 1) is None  # group 1's own parameter, found where it belongs
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=2))
+
+
+def classes_and_attributes(model):
+    return [(name, type(m), sorted(k for k in vars(m) if k.startswith("coat"))) for name, m in model.named_modules()]
+
+
+def test_a_refused_engine_leaves_the_model_unconverted():
+    """DeepSpeed's own checks run inside the engine's __init__, after the section converted the model: when they
+    refuse the config, the model is put back as it was (classes, attributes), so the caller can fix the config and
+    build again."""
+    from types import SimpleNamespace
+
+    from coat_ds.engine_hooks import _engine_init_with_coat
+
+    def refusing_init(self, *args, **kwargs):
+        assert type(kwargs["model"].model.layers[0]).__name__.startswith("Coat")  # converted before DeepSpeed ran
+        raise ValueError("DeepSpeed refused the config")
+
+    model = tiny_llama()
+    before = classes_and_attributes(model)
+    config_class = SimpleNamespace(zero_optimization_stage=2, gradient_accumulation_steps=1, optimizer_name=None)
+    with pytest.raises(ValueError, match="DeepSpeed refused"):
+        _engine_init_with_coat(refusing_init)(object(), model=model, config={"coat": {"fp8_activations": True}},
+                                              config_class=config_class)
+    assert classes_and_attributes(model) == before
+
+
+def test_triton_backend_without_cuda_is_refused_when_the_engine_is_built(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from coat_ds.engine_hooks import convert_for_section
+    from coat_kernels import triton_fp8
+
+    monkeypatch.setattr(triton_fp8, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = tiny_llama()
+    before = classes_and_attributes(model)
+    config_class = SimpleNamespace(zero_optimization_stage=2, gradient_accumulation_steps=1)
+    with pytest.raises(ValueError, match=r'ds_config "coat": "backend": "triton".*CUDA.*"auto"'):
+        convert_for_section(model, {"coat": {"fp8_activations": True, "backend": "triton"}}, config_class)
+    assert classes_and_attributes(model) == before
