@@ -38,6 +38,16 @@ def _param_device(config):
     return torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
 
 
+def check_no_te_fp8(config) -> None:
+    """ValueError for TransformerEngine's FP8 (`fp8=` in the TransformerConfig) on COAT layers: they quantize by
+    themselves and would ignore it, training with no word about the recipe asked for."""
+    fp8 = getattr(config, "fp8", None)
+    if fp8:
+        raise ValueError(f"TransformerConfig(fp8={fp8!r}) selects TransformerEngine's FP8, which the COAT layer spec "
+                         "does not run: COAT quantizes by itself (its options are coat_kernels.act.ActivationConfig). "
+                         "Set fp8=None (drop --fp8-format), or use the TransformerEngine spec for TE's FP8")
+
+
 def norm_options(config) -> dict:
     """Norm's options (kind, zero-centred gamma, where and in which dtype its parameters are created) as Megatron's
     config gives them, for the final norm (CoatNorm) and the norms fused into the column layers alike."""
@@ -52,6 +62,7 @@ class _CoatLinearMixin:
     """The activation config, the model's CoatRuntime (given by the spec) and this layer's FP8 weight cache."""
 
     def _init_coat(self, coat_config, coat_runtime):
+        check_no_te_fp8(self.config)
         self.coat_config = coat_config or MEGATRON_ACTIVATION_CONFIG
         self.coat_runtime = coat_runtime or CoatRuntime()
         self.weight_cache = self.coat_runtime.new_weight_cache()

@@ -32,7 +32,7 @@ from coat_kernels.act import ActivationConfig, CoatRuntime
 from .attention import core_attention_class
 from .bound_spec import CallableSpec, bind
 from .layers import (MEGATRON_ACTIVATION_CONFIG, CoatLayerNormColumnParallelLinear, CoatNorm,
-                     CoatRowParallelLinear)
+                     CoatRowParallelLinear, check_no_te_fp8)
 from .mlp import CoatMLP
 from .self_attention import CoatSelfAttention
 
@@ -81,7 +81,9 @@ def get_gpt_layer_coat_spec(qk_layernorm: bool = False, attention: str = "auto",
 def get_gpt_decoder_block_coat_spec(config, vp_stage=None, pp_rank=None, qk_layernorm=None,
                                     attention: str = "auto", coat_config: ActivationConfig | None = None,
                                     coat_runtime: CoatRuntime | None = None) -> TransformerBlockSubmodules:
-    """This pipeline stage's COAT layers plus CoatNorm as the final norm."""
+    """This pipeline stage's COAT layers plus CoatNorm as the final norm. TransformerEngine's FP8 in `config` is
+    refused (each COAT layer refuses it too)."""
+    check_no_te_fp8(config)
     if config.num_moe_experts:
         raise NotImplementedError("the COAT spec covers dense GPT layers; MoE is not supported")
     if qk_layernorm is None:
