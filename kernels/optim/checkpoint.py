@@ -103,10 +103,9 @@ def check_kept_options(state_dict: dict, param_groups: list, option_names: tuple
             keep = ", ".join(f"set {name}={old!r}" for name, old, _ in changed)
             raise StateError(
                 f"param group {index} of the loaded state dict holds FP8 moments quantized with {was}; this optimizer "
-                f"has {now} (its options or ds_config \"params\"). To resume, {keep}. To change them, convert the "
-                "moments to fp32 first: `python -m coat_ds.to_universal` for a DeepSpeed checkpoint, "
-                "`optimizer.torch_adamw_state_dict()` or coat_kernels.optim.to_fp32 otherwise; fp32 moments are "
-                "quantized with this run's options")
+                f"has {now} (its options or ds_config \"params\"). To resume, {keep}. To change them, resume with the "
+                "saved values and hand each tensor's fp32 moments to an optimizer built with the new ones: "
+                "new.set_fp32_moments(p, m['exp_avg'], m['exp_avg_sq'], step=...) with m = old.fp32_moments(p)")
 
 
 def load_keeping_dtypes(optimizer: torch.optim.Optimizer, load: Callable[[dict], None], state_dict: dict,
