@@ -260,7 +260,7 @@ def main(argv=None):
     tokens_per_step = args.global_batch * args.seq_len
     label = args.label or os.path.splitext(os.path.basename(args.ds_config))[0]
     if rank == 0:
-        print(f"[train_ds] {label}: {args.model} ({n_params / 1e9:.3f} B params), {world} rank(s), global batch "
+        print(f"[train_ds] {label}: {args.model} ({params_label(n_params)}), {world} rank(s), global batch "
               f"{args.global_batch} x {args.seq_len}, optimizer {type(engine.basic_optimizer).__name__} in "
               f"{type(engine.optimizer).__name__}, device "
               f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}",
@@ -427,10 +427,23 @@ def load_checkpoint(engine, directory: str, tag: str, args, rank: int) -> dict:
     return dict(saved, seed=args.seed, seq_len=args.seq_len, data=args.data, model=args.model)
 
 
+def params_label(n: int) -> str:
+    """A parameter count in the unit that shows it: 53.2 K, 12.3 M, 1.10 B."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} B params"
+    if n >= 1e6:
+        return f"{n / 1e6:.1f} M params"
+    return f"{n / 1e3:.1f} K params"
+
+
 def apply_peer_options(model, args):
     """The options a Hugging Face user would reach for, applied before DeepSpeed wraps the model."""
     if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:  # transformers releases before the rename
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.torchao_float8:
         from torchao.float8 import convert_to_float8_training
 
