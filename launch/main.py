@@ -235,7 +235,7 @@ def prepare_data(args):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(ap, None, os.path.join("runs", "main"))
     args = ap.parse_args(argv)
     device = resolve_size(args)
