@@ -1,7 +1,7 @@
 """The decoder layer on COAT's FP8 blocks: one composition for every family, run by converted models and by the
 benchmarks alike.
 
-    h = x + o_proj(attention(rotary(qkv(norm1(x)))));  y = h + down(silu(gate) * up)(norm2(h))
+    h = x + o_proj(attention(rotary(qkv(norm1(x)))));  y = h + down(act(gate) * up), [gate | up] = fc1(norm2(h))
 
 - norm1 + q/k/v projections: one FP8 GEMM over the three weights (`fp8_norm_linear` with weight pieces, residual_out:
   x's two gradients meet inside the norm backward);
@@ -9,7 +9,8 @@ benchmarks alike.
   one is passed (generation's prefill), then the model's own attention backend through Hugging Face's attention
   interface (coat_hf.attention: sdpa, eager, flex, flash, with the model's masks and packed-sequence arguments);
 - o_proj: `fp8_linear`, reusing the attention output where the attention kernel keeps it;
-- residual add + norm2 + gate/up + SwiGLU + down: one `fp8_norm_swiglu_mlp` node.
+- residual add + norm2 + gate/up + gated GLU (the family's activation: SwiGLU, GeGLU) + down: one
+  `fp8_norm_swiglu_mlp` node.
 Generation steps that extend a KV cache (one new token at a time), calls asking for attention weights and paged
 attention run the layer's original BF16 forward.
 With `ActivationConfig(cuda_graphs=True)` a training step's layer forward and backward replay CUDA graphs captured
@@ -133,6 +134,7 @@ def decoder_layer(layer, state: LayerState, x, position_embeddings, mask=None, k
     y, hsum = fp8_norm_swiglu_mlp(a, norm2.weight, None, (mlp.gate_proj.weight, mlp.up_proj.weight),
                                   mlp.down_proj.weight, fc2_bias=mlp.down_proj.bias, residual=residual,
                                   eps=family.norm_eps(norm2), zero_centered_gamma=offset,
+                                  activation=family.activation(layer),
                                   fc1_cache=state.fc1_cache, fc2_cache=state.fc2_cache, **kw)
     out = hsum + y
     if rows is not None and (attn.o_proj.bias is not None or mlp.down_proj.bias is not None):

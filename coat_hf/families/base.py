@@ -2,7 +2,7 @@
 
 The composition is the same for every family:
 
-    h = x + o_proj(attention(rotary(qkv(norm1(x)))));  y = h + down(act(gate) * up)(norm2(h))
+    h = x + o_proj(attention(rotary(qkv(norm1(x)))));  y = h + down(act(gate) * up), [gate | up] = fc1(norm2(h))
 
 A family owns everything the composition reads from a model: how its layer's q/k/v become rotated attention inputs
 (`rotary`), its MLP activation (`activation`, read from the config key `activation_key`), its norms' epsilon
@@ -28,7 +28,7 @@ LayerForward = Callable[..., torch.Tensor]
 
 # Hugging Face activation names (the config's value, a key of transformers' ACT2FN) -> the activation of the FP8
 # gated-GLU MLP block
-GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu"}
+GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 def no_attention_kwargs(attn: torch.nn.Module) -> dict:

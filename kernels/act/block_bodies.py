@@ -126,38 +126,41 @@ def norm_linear_backward(dout, dres, q, e, mean, rstd, norm_weight, norm_bias, y
     return dx, dnw, dnb, amax, dw, db
 
 
-# ------------------------------------------------------------------------------------------------ SwiGLU, linear
-def swiglu_linear_forward(x, weight: WeightPieces, bias, cache, env: BlockEnv):
-    """linear(silu(gate) * up), [gate | up] = x -> (out, gate/up as E4M3 1x16 (q, e), the product's scale, W's
+# ----------------------------------------------------------------------------------------- gated GLU, linear
+# `activation`: the gate's activation, one of swiglu.ACTIVATIONS (silu: SwiGLU, gelu_tanh: GeGLU)
+def swiglu_linear_forward(x, weight: WeightPieces, bias, cache, activation, env: BlockEnv):
+    """linear(act(gate) * up), [gate | up] = x -> (out, gate/up as E4M3 1x16 (q, e), the product's scale, W's
     scale). The product and its FP8 copies are recomputed in backward."""
     f2, n = x.shape[-1], weight.shape[0]
     check_gemm_dims(f2 // 2, n, "fp8_swiglu_linear")
-    q, e, amax, _ = swiglu.swiglu_forward(x.reshape(-1, f2), env.use_triton, tickets=env.tickets)
+    q, e, amax, _ = swiglu.swiglu_forward(x.reshape(-1, f2), env.use_triton, activation=activation,
+                                          tickets=env.tickets)
     p_scale = finalize_scale(amax, E4M3, env.use_triton)
-    p8, _ = swiglu.swiglu_cast(q, e, p_scale, env.use_triton)
+    p8, _ = swiglu.swiglu_cast(q, e, p_scale, env.use_triton, activation=activation)
     w8, w_scale = weight_rows(weight, cache, env)
     out = fp8_gemm(p8, w8, p_scale, w_scale, output_dtype(x), bias, fast_accum=env.fast_accum)
     return out.reshape(*x.shape[:-1], n), q, e, p_scale, w_scale
 
 
 def swiglu_linear_backward(dout, q, e, p_scale, w_scale, weight: WeightOperand, out_dtype, x_dtype, need_dx,
-                           need_dw, bias_dtype, env: BlockEnv):
+                           need_dw, bias_dtype, activation, env: BlockEnv):
     """-> (d[gate | up] [M, 2F] in x's dtype, its amax, dW, d bias)."""
     def product_t():
-        return swiglu.swiglu_cast(q, e, p_scale, env.use_triton, write_row=False, write_t=True)[1]
+        return swiglu.swiglu_cast(q, e, p_scale, env.use_triton, activation=activation, write_row=False,
+                                  write_t=True)[1]
 
     dp, dw, db = gemm_backward(dout, weight, w_scale, product_t, p_scale, out_dtype, need_dx, need_dw, bias_dtype, env)
     dx = amax = None
     if dp is not None:
-        dx, amax = swiglu.swiglu_backward(q, e, dp, env.use_triton, tickets=env.tickets)
+        dx, amax = swiglu.swiglu_backward(q, e, dp, env.use_triton, activation=activation, tickets=env.tickets)
         dx = dx.to(x_dtype)
     return dx, amax, dw, db
 
 
-# ------------------------------------------------------------------------------- norm -> fc1 -> SwiGLU -> fc2
+# ---------------------------------------------------------------------------- norm -> fc1 -> gated GLU -> fc2
 def norm_mlp_forward(x, residual, norm_weight, norm_bias, fc1: WeightPieces, b1, fc2: WeightPieces, b2, cache1,
-                     cache2, kind, eps, zero_centered, env: BlockEnv):
-    """fc2(silu(gate) * up), [gate | up] = fc1(norm(x (+ residual))) -> (out, h shaped like x (None without a
+                     cache2, kind, eps, zero_centered, activation, env: BlockEnv):
+    """fc2(act(gate) * up), [gate | up] = fc1(norm(x (+ residual))) -> (out, h shaped like x (None without a
     residual), q, e, mean, rstd, fc1's input scale, fc1's weight scale, gate/up as E4M3 1x16 (qa, ea), fc2's input
     scale, fc2's weight scale)."""
     hdim, f2, n = x.shape[-1], fc1.shape[0], fc2.shape[0]
@@ -169,10 +172,10 @@ def norm_mlp_forward(x, residual, norm_weight, norm_bias, fc1: WeightPieces, b1,
     out_dtype = output_dtype(x)
     a = fp8_gemm(y8, w1_8, y_scale, w1_scale, out_dtype, b1, fast_accum=env.fast_accum)
     del y8
-    qa, ea, amax_p, _ = swiglu.swiglu_forward(a, env.use_triton, tickets=env.tickets)
+    qa, ea, amax_p, _ = swiglu.swiglu_forward(a, env.use_triton, activation=activation, tickets=env.tickets)
     del a
     p_scale = finalize_scale(amax_p, E4M3, env.use_triton)
-    p8, _ = swiglu.swiglu_cast(qa, ea, p_scale, env.use_triton)
+    p8, _ = swiglu.swiglu_cast(qa, ea, p_scale, env.use_triton, activation=activation)
     w2_8, w2_scale = weight_rows(fc2, cache2, env)
     out = fp8_gemm(p8, w2_8, p_scale, w2_scale, out_dtype, b2, fast_accum=env.fast_accum)
     h = h.reshape(x.shape) if residual is not None else None
@@ -181,8 +184,8 @@ def norm_mlp_forward(x, residual, norm_weight, norm_bias, fc1: WeightPieces, b1,
 
 def norm_mlp_backward(dout, dres, q, e, mean, rstd, norm_weight, norm_bias, y_scale, w1_scale, qa, ea, p_scale,
                       w2_scale, fc1: WeightOperand, fc2: WeightOperand, zero_centered, out_dtype, b1_dtype, b2_dtype,
-                      need_dx, need_dw1, need_db1, need_dw2, env: BlockEnv):
-    """Backward of norm -> fc1 -> SwiGLU -> fc2 from fc2's output gradient dout (+ dres into the norm): (dx [M, H],
+                      need_dx, need_dw1, need_db1, need_dw2, activation, env: BlockEnv):
+    """Backward of norm -> fc1 -> gated GLU -> fc2 from fc2's output gradient dout (+ dres into the norm): (dx [M, H],
     d norm weight, d norm bias, dx's amax, dW1 (whole), d b1, dW2, d b2), None where not asked for. b1_dtype: fc1's
     bias dtype (None without one); b2_dtype: fc2's when its gradient is asked for. The norm's gradients come with
     dx. Without an fc1 bias, d[gate | up] goes straight to E5M2: a pass computing its partial amaxes (and, from the
@@ -202,18 +205,19 @@ def norm_mlp_backward(dout, dres, q, e, mean, rstd, norm_weight, norm_bias, y_sc
         dp = fp8_gemm(dy8, fc2.transposed(w2_scale, tri), dy_scale, w2_scale, out_dtype)
         del dy8
         if b1_dtype is None:  # d[gate | up] straight to E5M2 (a BF16 copy only if fc1 has a bias)
-            amax_da, p8_t = swiglu.swiglu_backward_amax(qa, ea, dp, tri, product_scale=p_scale if need_dw2 else None,
+            amax_da, p8_t = swiglu.swiglu_backward_amax(qa, ea, dp, tri, activation=activation,
+                                                        product_scale=p_scale if need_dw2 else None,
                                                         tickets=env.tickets)
     if need_dw2:
         if p8_t is None:
-            p8_t = swiglu.swiglu_cast(qa, ea, p_scale, tri, write_row=False, write_t=True)[1]
+            p8_t = swiglu.swiglu_cast(qa, ea, p_scale, tri, activation=activation, write_row=False, write_t=True)[1]
         dw2 = fp8_gemm(dy8_t, p8_t, dy_scale, p_scale, fc2.like.dtype)
         del p8_t
     del dy8_t
     if not need_dyn:
         return dx, dnw, dnb, amax_dx, dw1, db1, dw2, db2
     if b1_dtype is not None:
-        da, amax_da = swiglu.swiglu_backward(qa, ea, dp, tri, tickets=env.tickets)
+        da, amax_da = swiglu.swiglu_backward(qa, ea, dp, tri, activation=activation, tickets=env.tickets)
         if need_db1:
             db1 = da.float().sum(0).to(b1_dtype)
         da8, da8_t, da_scale = quantize_tensor(da, E5M2, tri, write_row=need_dx, write_t=need_dw1, amax=amax_da,
@@ -221,7 +225,8 @@ def norm_mlp_backward(dout, dres, q, e, mean, rstd, norm_weight, norm_bias, y_sc
         del da
     else:
         da_scale = finalize_scale(amax_da, E5M2, tri)
-        da8, da8_t = swiglu.swiglu_backward_cast(qa, ea, dp, da_scale, tri, write_row=need_dx, write_t=need_dw1)
+        da8, da8_t = swiglu.swiglu_backward_cast(qa, ea, dp, da_scale, tri, activation=activation, write_row=need_dx,
+                                                 write_t=need_dw1)
     del dp
     if need_dw1:
         y8_t = norm_ops.norm_cast(q, e, mean, rstd, norm_weight, norm_bias, y_scale, tri, zero_centered=zero_centered,

@@ -196,14 +196,15 @@ def fp8_norm_linear(x, residual, norm_weight, norm_bias, weight, bias=None, norm
 
 # -------------------------------------------------------------------------------------------- fp8_swiglu_linear
 @torch.library.custom_op("coat::fp8_swiglu_linear", mutates_args=())
-def _swiglu_linear(x: Tensor, weights: list[Tensor], bias: Optional[Tensor], use_triton: bool, fast_accum: bool
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _swiglu_linear(x: Tensor, weights: list[Tensor], bias: Optional[Tensor], activation: str, use_triton: bool,
+                   fast_accum: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (out, gate/up as E4M3 1x16 (codes, scales), the product's scale, the weight's scale)."""
-    return body.swiglu_linear_forward(x, WeightPieces(weights), bias, None, plain_env(use_triton, fast_accum))
+    return body.swiglu_linear_forward(x, WeightPieces(weights), bias, None, activation,
+                                      plain_env(use_triton, fast_accum))
 
 
 @_swiglu_linear.register_fake
-def _(x, weights, bias, use_triton, fast_accum):
+def _(x, weights, bias, activation, use_triton, fast_accum):
     n = sum(w.shape[0] for w in weights)
     return (x.new_empty(*x.shape[:-1], n, dtype=output_dtype(x)), *swiglu_saved_fake(x), scale_like(x), scale_like(x))
 
@@ -211,26 +212,27 @@ def _(x, weights, bias, use_triton, fast_accum):
 @torch.library.custom_op("coat::fp8_swiglu_linear_backward", mutates_args=())
 def _swiglu_linear_backward(dout: Tensor, q: Tensor, e: Tensor, p_scale: Tensor, w_scale: Tensor,
                             weights: list[Tensor], need_dx: bool, need_dw: bool, bias_dtype: Optional[torch.dtype],
-                            x_dtype: torch.dtype, use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
+                            x_dtype: torch.dtype, activation: str, use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
     """-> (d[gate | up] [M, 2F] in x's dtype, dW, d bias), each absent when not asked for."""
     dx, _, dw, db = body.swiglu_linear_backward(dout, q, e, p_scale, w_scale, WeightOperand.of(weights), dout.dtype,
-                                                x_dtype, need_dx, need_dw, bias_dtype, plain_env(use_triton))
+                                                x_dtype, need_dx, need_dw, bias_dtype, activation,
+                                                plain_env(use_triton))
     return tuple(or_absent(g, dout) for g in (dx, dw, db))
 
 
 @_swiglu_linear_backward.register_fake
-def _(dout, q, e, p_scale, w_scale, weights, need_dx, need_dw, bias_dtype, x_dtype, use_triton):
+def _(dout, q, e, p_scale, w_scale, weights, need_dx, need_dw, bias_dtype, x_dtype, activation, use_triton):
     _, dw, db = gemm_grads_fake(dout, weights, False, need_dw, bias_dtype)
     return (q.new_empty(q.shape, dtype=x_dtype) if need_dx else absent(dout)), dw, db
 
 
 def _swiglu_linear_setup(ctx, inputs, output):
-    x, weights, bias, use_triton, _ = inputs
+    x, weights, bias, activation, use_triton, _ = inputs
     _, q, e, p_scale, w_scale = output
     ctx.mark_non_differentiable(q, e, p_scale, w_scale)
     keep_grads(ctx)
     ctx.save_for_backward(q, e, p_scale, w_scale, *weights)
-    ctx.x_shape, ctx.x_dtype, ctx.use_triton = x.shape, x.dtype, use_triton
+    ctx.x_shape, ctx.x_dtype, ctx.use_triton, ctx.activation = x.shape, x.dtype, use_triton, activation
     ctx.bias_dtype = bias.dtype if bias is not None else None
 
 
@@ -240,21 +242,21 @@ def _swiglu_linear_grads(ctx, dout, *_):
     need_dx, need_dw = need[0], any(need[1])
     bias_dtype = ctx.bias_dtype if need[2] else None
     dx, dw, db = _swiglu_linear_backward(dout, q, e, p_scale, w_scale, weights, need_dx, need_dw, bias_dtype,
-                                         ctx.x_dtype, ctx.use_triton)
+                                         ctx.x_dtype, ctx.activation, ctx.use_triton)
     return (dx.reshape(ctx.x_shape) if need_dx else None, split_rows(dw, weights) if need_dw else [None] * len(weights),
-            db if bias_dtype is not None else None, None, None)
+            db if bias_dtype is not None else None, None, None, None)
 
 
 _swiglu_linear.register_autograd(_swiglu_linear_grads, setup_context=_swiglu_linear_setup)
 
 
-def fp8_swiglu_linear(x, weight, bias=None, config=None):
+def fp8_swiglu_linear(x, weight, bias=None, activation="silu", config=None):
     """functional.fp8_swiglu_linear on the custom ops."""
     config = config or DEFAULT_CONFIG
     weights = list(as_pieces(weight).tensors)
     check_gemm_dims(x.shape[-1] // 2, sum(w.shape[0] for w in weights), "fp8_swiglu_linear")
     swiglu._check(x)
-    return _swiglu_linear(x, weights, bias, config.use_triton(x), config.fprop_fast_accum)[0]
+    return _swiglu_linear(x, weights, bias, activation, config.use_triton(x), config.fprop_fast_accum)[0]
 
 
 # ---------------------------------------------------------------------------------------------------- fp8_gelu

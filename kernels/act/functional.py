@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from . import block_bodies as body
-from . import compiled_ops, pointwise
+from . import compiled_ops, pointwise, swiglu
 from .block_parts import (DEFAULT_CONFIG, WeightLike, WeightOperand, block_env, hand_off, kept_weight,
                           output_dtype, usable_cache)
 from .config import ActivationConfig
@@ -146,10 +146,11 @@ def fp8_add_norm_linear(x, residual, norm_weight, norm_bias, weight, bias=None, 
 
 class _Fp8SwigluLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, bias, cache, env, *weights):
+    def forward(ctx, x, bias, cache, activation, env, *weights):
         pieces = WeightPieces(weights)
-        out, q, e, p_scale, w_scale = body.swiglu_linear_forward(x, pieces, bias, cache, env)
+        out, q, e, p_scale, w_scale = body.swiglu_linear_forward(x, pieces, bias, cache, activation, env)
         ctx.out_dtype, ctx.shape, ctx.x_dtype, ctx.env = output_dtype(x), x.shape, x.dtype, env
+        ctx.activation = activation
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.save_for_backward(q, e, p_scale, w_scale, *save_weight(ctx, pieces, cache, env))
         return out
@@ -160,21 +161,22 @@ class _Fp8SwigluLinear(torch.autograd.Function):
         need = ctx.needs_input_grad
         dx, amax, dw, db = body.swiglu_linear_backward(
             dout, q, e, p_scale, w_scale, saved_weight(ctx, weights), ctx.out_dtype, ctx.x_dtype, need[0],
-            any(need[4:]), ctx.bias_dtype if need[1] else None, ctx.env)
+            any(need[5:]), ctx.bias_dtype if need[1] else None, ctx.activation, ctx.env)
         if dx is not None:
             dx = dx.reshape(ctx.shape)
             if ctx.x_dtype == torch.bfloat16:
                 hand_off(ctx.env, dx, amax)
-        return (dx, db, None, None) + ctx.weight_like.split(dw)
+        return (dx, db, None, None, None) + ctx.weight_like.split(dw)
 
-def fp8_swiglu_linear(x, weight, bias=None, *, config: ActivationConfig | None = None,
+def fp8_swiglu_linear(x, weight, bias=None, *, activation="silu", config: ActivationConfig | None = None,
                       runtime: CoatRuntime | None = None, weight_cache: WeightCache | None = None):
-    """linear(silu(gate) * up), [gate | up] = x.chunk(2, -1): saves gate/up as E4M3 1x16 and recomputes the
-    product (and its transposed FP8 copy) in backward."""
+    """linear(act(gate) * up), [gate | up] = x.chunk(2, -1), act: `silu` (SwiGLU) or `gelu_tanh` (GeGLU): saves
+    gate/up as E4M3 1x16 and recomputes the product (and its transposed FP8 copy) in backward."""
+    swiglu.check_activation(activation)
     if torch.compiler.is_compiling():
-        return compiled_ops.fp8_swiglu_linear(x, weight, bias, config)
-    return _Fp8SwigluLinear.apply(x, bias, usable_cache(weight_cache, config, runtime), block_env(x, config, runtime),
-                                  *as_pieces(weight).tensors)
+        return compiled_ops.fp8_swiglu_linear(x, weight, bias, activation, config)
+    return _Fp8SwigluLinear.apply(x, bias, usable_cache(weight_cache, config, runtime), activation,
+                                  block_env(x, config, runtime), *as_pieces(weight).tensors)
 
 
 class _Fp8Pointwise(torch.autograd.Function):

@@ -141,6 +141,11 @@ def block_cases(backend):
         ("fp8_norm_swiglu_mlp biases layernorm", lambda x, gm, nb, w1, b1, w2, b2: act.fp8_norm_swiglu_mlp(
             x, gm, nb, w1, w2, b1, b2, norm="layernorm", **cfg),
          lambda r: [t(2, r, 32), gamma(32), t(32), w(64, 32), t(64), w(32, 32), t(32)]),
+        ("fp8_swiglu_linear gelu_tanh", lambda x, w1: act.fp8_swiglu_linear(x, w1, activation="gelu_tanh", **cfg),
+         lambda r: [t(r, 64), w(32, 32)]),
+        ("fp8_norm_swiglu_mlp gelu_tanh", lambda x, res, gm, w1, w2: act.fp8_norm_swiglu_mlp(
+            x, gm, None, w1, w2, residual=res, zero_centered_gamma=True, activation="gelu_tanh", **cfg),
+         lambda r: [t(r, 32), t(r, 32), t(32, scale=0.1), w(64, 32), w(32, 32)]),
         ("fp8_gelu", lambda x: act.fp8_gelu(x, **cfg), lambda r: [t(2, r, 32)]),
         ("rope_split split", lambda qkv: rope_split(qkv, cos, sin, 16, 2, use_triton), lambda r: [t(r, 8 * 16)]),
         ("rope_split grouped", lambda qkv: rope_split(qkv, cos[:24], sin[:24], 16, 1, use_triton, layout="grouped",
