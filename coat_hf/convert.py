@@ -32,7 +32,8 @@ def coat_runtime(model) -> CoatRuntime | None:
 
 def convert_to_coat(model: torch.nn.Module, config: ActivationConfig | Mapping | None = None, *,
                     runtime: CoatRuntime | None = None, chunked_loss: bool = True) -> torch.nn.Module:
-    """Convert a Hugging Face Llama / Mistral / Qwen2 / Qwen3 model in place (see the module docstring); returns it.
+    """Convert a Hugging Face decoder of a known family (coat_hf.families.FAMILIES: Llama, Mistral, Qwen2, Qwen3,
+    OLMo-2) in place (see the module docstring); returns it.
 
     config: an ActivationConfig, or a mapping of its option names (unknown names and wrong types are errors);
     runtime: the CoatRuntime to share (default: the model's own, made at the first conversion); chunked_loss: the
@@ -51,9 +52,8 @@ def convert_to_coat(model: torch.nn.Module, config: ActivationConfig | Mapping |
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in FAMILIES:
         raise ValueError(f"coat_hf.convert_to_coat supports Hugging Face decoders with model_type "
-                         f"{', '.join(sorted(FAMILIES))} (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                         f"Qwen3ForCausalLM and their base models); got {type(model).__name__} (model_type "
-                         f"{model_type!r})")
+                         f"{', '.join(sorted(FAMILIES))} (their *ForCausalLM classes and base models, e.g. "
+                         f"LlamaForCausalLM); got {type(model).__name__} (model_type {model_type!r})")
     layer_class, family = FAMILIES[model_type]
     runtime = coat_runtime(model) or runtime or CoatRuntime()
     converted, skipped = 0, []

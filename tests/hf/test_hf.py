@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 import coat_hf
 from coat_hf import ActivationConfig, coat_runtime, convert_to_coat
@@ -24,7 +25,8 @@ from rank_helpers import JOBS, free_port
 warnings.filterwarnings("ignore", category=RuntimeWarning)
 VOCAB, SEQ = 128, 32
 FAMILIES = {"llama": (LlamaForCausalLM, LlamaConfig, {}), "mistral": (MistralForCausalLM, MistralConfig, {}),
-            "qwen2": (Qwen2ForCausalLM, Qwen2Config, {}), "qwen3": (Qwen3ForCausalLM, Qwen3Config, {"head_dim": 16})}
+            "qwen2": (Qwen2ForCausalLM, Qwen2Config, {}), "qwen3": (Qwen3ForCausalLM, Qwen3Config, {"head_dim": 16}),
+            "olmo2": (Olmo2ForCausalLM, Olmo2Config, {})}
 # FP8 GEMMs (E4M3 forward, E5M2 gradients) against BF16 on a 2-layer model at random init
 LOSS_REL, GRAD_REL = 0.01, 0.3
 
@@ -73,7 +75,8 @@ def test_decoder_layer_matches_the_fp32_layer(backend, kv_heads):
 
 
 @pytest.mark.parametrize("family,backend", [("llama", "torch"), ("llama", "triton"), ("mistral", "torch"),
-                                            ("qwen2", "torch"), ("qwen3", "torch")])
+                                            ("qwen2", "torch"), ("qwen3", "torch"), ("olmo2", "torch"),
+                                            ("olmo2", "triton")])
 def test_converted_model_tracks_the_bf16_model(family, backend):
     ref, model = tiny(family), tiny(family)
     names = {n: tuple(p.shape) for n, p in model.state_dict().items()}
