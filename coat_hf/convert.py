@@ -33,7 +33,7 @@ def coat_runtime(model) -> CoatRuntime | None:
 def convert_to_coat(model: torch.nn.Module, config: ActivationConfig | Mapping | None = None, *,
                     runtime: CoatRuntime | None = None, chunked_loss: bool = True) -> torch.nn.Module:
     """Convert a Hugging Face decoder of a known family (coat_hf.families.FAMILIES: Llama, Mistral, Qwen2, Qwen3,
-    OLMo-2) in place (see the module docstring); returns it.
+    OLMo-2, Gemma 3 text) in place (see the module docstring); returns it.
 
     config: an ActivationConfig, or a mapping of its option names (unknown names and wrong types are errors);
     runtime: the CoatRuntime to share (default: the model's own, made at the first conversion); chunked_loss: the
@@ -74,7 +74,9 @@ def convert_to_coat(model: torch.nn.Module, config: ActivationConfig | Mapping |
         raise ValueError(f"coat_hf.convert_to_coat: no decoder layer of {type(model).__name__} can run on FP8 "
                          f"activations: " + (", ".join(skipped) if skipped else f"it has no {layer_class}"))
     model.coat_runtime = runtime
-    head = chunked_loss and hasattr(model, "lm_head") and hasattr(model, "model")
+    # the chunked loss computes plain logits: a model that soft-caps them (Gemma 2 / 3 configs may) keeps its own head
+    head = (chunked_loss and hasattr(model, "lm_head") and hasattr(model, "model")
+            and getattr(model.config, "final_logit_softcapping", None) is None)
     if head and not isinstance(model, CoatCausalLM):
         model.__class__ = _coat_class(type(model), CoatCausalLM)
     logger.warning("coat-fp8: %d decoder layers of %s on FP8 activations (%s); left in BF16: embeddings, final norm, "

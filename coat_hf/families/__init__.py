@@ -5,7 +5,7 @@ A new family is one module defining a `Family` plus one line here (docs/hf.md sa
 """
 from __future__ import annotations
 
-from . import llama, olmo2, qwen3
+from . import gemma3, llama, olmo2, qwen3
 from .base import Family
 
 FAMILIES: dict[str, tuple[str, Family]] = {
@@ -14,6 +14,7 @@ FAMILIES: dict[str, tuple[str, Family]] = {
     "qwen2": ("Qwen2DecoderLayer", llama.QWEN2),
     "qwen3": ("Qwen3DecoderLayer", qwen3.FAMILY),
     "olmo2": ("Olmo2DecoderLayer", olmo2.FAMILY),
+    "gemma3_text": ("Gemma3DecoderLayer", gemma3.FAMILY),
 }
 
 __all__ = ["FAMILIES", "Family"]

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM)
 
@@ -26,7 +27,11 @@ warnings.filterwarnings("ignore", category=RuntimeWarning)
 VOCAB, SEQ = 128, 32
 FAMILIES = {"llama": (LlamaForCausalLM, LlamaConfig, {}), "mistral": (MistralForCausalLM, MistralConfig, {}),
             "qwen2": (Qwen2ForCausalLM, Qwen2Config, {}), "qwen3": (Qwen3ForCausalLM, Qwen3Config, {"head_dim": 16}),
-            "olmo2": (Olmo2ForCausalLM, Olmo2Config, {})}
+            "olmo2": (Olmo2ForCausalLM, Olmo2Config, {}),
+            # one sliding-window layer (window shorter than SEQ) and one full one; q scaled by query_pre_attn_scalar
+            "gemma3_text": (Gemma3ForCausalLM, Gemma3TextConfig,
+                            {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
+                             "layer_types": ["sliding_attention", "full_attention"]})}
 # FP8 GEMMs (E4M3 forward, E5M2 gradients) against BF16 on a 2-layer model at random init
 LOSS_REL, GRAD_REL = 0.01, 0.3
 
@@ -76,7 +81,8 @@ def test_decoder_layer_matches_the_fp32_layer(backend, kv_heads):
 
 @pytest.mark.parametrize("family,backend", [("llama", "torch"), ("llama", "triton"), ("mistral", "torch"),
                                             ("qwen2", "torch"), ("qwen3", "torch"), ("olmo2", "torch"),
-                                            ("olmo2", "triton")])
+                                            ("olmo2", "triton"), ("gemma3_text", "torch"),
+                                            ("gemma3_text", "triton")])
 def test_converted_model_tracks_the_bf16_model(family, backend):
     ref, model = tiny(family), tiny(family)
     names = {n: tuple(p.shape) for n, p in model.state_dict().items()}
@@ -88,6 +94,35 @@ def test_converted_model_tracks_the_bf16_model(family, backend):
     assert abs(l_coat - l_ref) < LOSS_REL * l_ref
     errors = {n: rel(g, r) for (n, _), g, r in zip(model.named_parameters(), g_coat, g_ref)}
     assert max(errors.values()) < GRAD_REL, errors
+
+
+@pytest.mark.parametrize("family", ["olmo2", "gemma3_text"])
+def test_sandwich_norm_families_track_the_bf16_model_with_trained_norms(family):
+    """OLMo-2 and Gemma 3 with every norm weight moved off its initial value (Gemma's (1 + w) scale included), so that
+    the post norms, the q/k norms and the offset matter: loss and gradients as the unconverted model's."""
+    ref = tiny(family)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.dim() == 1:  # Gemma's weights act as 1 + w (initial 0), OLMo's as w (initial 1)
+                p.add_((torch.rand(p.shape, generator=g) * 0.4 - 0.2).to(p.dtype))
+    model = convert_to_coat(copy.deepcopy(ref), ActivationConfig(backend="torch"))
+    ids = batch()
+    (l_ref, g_ref), (l_coat, g_coat) = loss_and_grads(ref, ids), loss_and_grads(model, ids)
+    assert abs(l_coat - l_ref) < LOSS_REL * l_ref
+    errors = {n: rel(g, r) for (n, _), g, r in zip(model.named_parameters(), g_coat, g_ref)}
+    assert max(errors.values()) < GRAD_REL, errors
+
+
+def test_soft_capped_logits_keep_the_models_own_head():
+    """The chunked loss computes plain logits: a Gemma 3 whose config soft-caps them keeps Hugging Face's head and
+    loss (its layers still convert)."""
+    ref, model = tiny("gemma3_text", final_logit_softcapping=5.0), tiny("gemma3_text", final_logit_softcapping=5.0)
+    convert_to_coat(model, ActivationConfig(backend="torch"))
+    assert type(model).__name__ == "Gemma3ForCausalLM" and type(model.model.layers[0]).__name__.startswith("Coat")
+    ids = batch()
+    (l_ref, _), (l_coat, _) = loss_and_grads(ref, ids), loss_and_grads(model, ids)
+    assert abs(l_coat - l_ref) < LOSS_REL * l_ref
 
 
 def test_decoder_layers_save_fp8():
