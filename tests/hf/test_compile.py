@@ -39,7 +39,17 @@ def assert_same_bits(got, expected, names):
         assert g is not None and torch.equal(g, e), name
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+# the coat ops of one converted decoder layer, per family
+LAYER_OPS = {"llama": {"fp8_norm_linear": 1, "fp8_linear": 1, "fp8_norm_swiglu_mlp": 1, "rope_split": 1},
+             "qwen2": {"fp8_norm_linear": 1, "fp8_linear": 1, "fp8_norm_swiglu_mlp": 1, "rope_split": 1},
+             # Hugging Face's RoPE after the q/k norms
+             "qwen3": {"fp8_norm_linear": 1, "fp8_linear": 1, "fp8_norm_swiglu_mlp": 1},
+             "gemma3_text": {"fp8_norm_linear": 1, "fp8_linear": 1, "fp8_norm_swiglu_mlp": 1},
+             # no input norms: q/k/v, o_proj and gate/up are plain FP8 GEMMs
+             "olmo2": {"fp8_linear": 3, "fp8_swiglu_linear": 1}}
+
+
+@pytest.mark.parametrize("family", list(LAYER_OPS))
 def test_a_converted_model_has_no_more_graph_breaks_than_bf16(family):
     ids = batch()
     bf16 = torch._dynamo.explain(tiny(family))(input_ids=ids, labels=ids)
@@ -49,13 +59,11 @@ def test_a_converted_model_has_no_more_graph_breaks_than_bf16(family):
     assert coat.graph_break_count <= bf16.graph_break_count and coat.graph_count <= bf16.graph_count
     assert not coat.break_reasons, [str(r.reason)[:300] for r in coat.break_reasons]
     targets = [str(n.target) for g in coat.graphs for n in g.graph.nodes if n.op == "call_function"]
-    per_layer = ["coat.fp8_norm_linear.default", "coat.fp8_linear.default", "coat.fp8_norm_swiglu_mlp.default"]
-    if family != "qwen3":  # Qwen3 runs Hugging Face's RoPE after its q/k norms
-        per_layer.append("coat.rope_split.default")
-    assert all(targets.count(op) == 2 for op in per_layer), targets
+    counts = {op: targets.count(f"coat.{op}.default") for op in OPS}
+    assert counts == {op: 2 * LAYER_OPS[family].get(op, 0) for op in OPS}, targets  # two layers
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "olmo2", "gemma3_text"])
 def test_compiled_model_gives_the_eager_loss_and_gradients(family):
     """aot_eager against eager COAT with its weight cache and gradient-amax hand-off on, across an optimizer step
     (the compiled model quantizes the updated weights)."""
