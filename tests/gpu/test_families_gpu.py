@@ -19,8 +19,8 @@ from coat_kernels.formats import E4M3, E5M2
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)
 VOCAB, SEQ = 512, 256
-# FP8 against BF16 at random init. The largest gradient errors are the q/k norm weights' (0.26-0.30 in the same check
-# run on CPU with 32 tokens): the bound is above test_hf.py's 0.3
+# FP8 against BF16 at random init. The largest gradient errors are the q/k norm weights': on an H100 0.26 (OLMo-2) and
+# 0.30 (Gemma 3), so the bound is above test_hf.py's 0.3; the loss within 3e-4
 LOSS_REL, GRAD_REL = 0.01, 0.4
 TOL = 1e-3
 FAMILIES = {
@@ -78,8 +78,8 @@ def test_converted_model_tracks_the_bf16_model(family):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_layer_kernels_match_the_layer_on_torch_references(family):
-    """Bounds a little above the Llama layer's in test_act_gpu.py: the norms after the sublayers pass the FP8
-    gradients' rounding differences on unscaled."""
+    """The Llama layer's bounds (test_act_gpu.py). Measured on an H100: OLMo-2 bit-equal (its norms are BF16 modules,
+    its gated-GLU codes came out equal), Gemma 3 output 3e-4, input gradient 0.017, parameter gradients 0.022."""
     x = torch.randn(2, SEQ, 256, device="cuda", dtype=torch.bfloat16)
     outs = []
     for backend in ("triton", "torch"):
@@ -94,8 +94,8 @@ def test_layer_kernels_match_the_layer_on_torch_references(family):
         y = layer(xb, position_embeddings=pe)
         y.float().square().mean().backward()
         outs.append((y, xb.grad, [p.grad for p in layer.parameters()]))
-    assert rel(outs[0][0], outs[1][0]) < 2e-2 and rel(outs[0][1], outs[1][1]) < 6e-2
-    assert all(rel(a, b) < 1e-1 for a, b in zip(outs[0][2], outs[1][2]))
+    assert rel(outs[0][0], outs[1][0]) < 1e-2 and rel(outs[0][1], outs[1][1]) < 3e-2
+    assert all(rel(a, b) < 5e-2 for a, b in zip(outs[0][2], outs[1][2]))
 
 
 def test_gelu_tanh_kernels_match_their_references():
