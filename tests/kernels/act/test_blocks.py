@@ -425,7 +425,7 @@ class TinyLlama(torch.nn.Module):
         return self.head(x.float())
 
 
-def train(coat, steps=200):
+def train(coat, steps=100):
     torch.manual_seed(0)
     model = TinyLlama(coat=coat)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
