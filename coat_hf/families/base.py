@@ -1,6 +1,6 @@
-"""`Family`: what the shared decoder-layer composition (coat_hf.decoder) needs to know about one model family.
+"""`Family`: what a converted decoder layer (coat_hf.decoder) needs to know about one model family.
 
-The composition is the same for every family:
+The shared composition, which every family runs unless it brings its own layer forward:
 
     h = x + o_proj(attention(rotary(qkv(norm1(x)))));  y = h + down(act(gate) * up), [gate | up] = fc1(norm2(h))
 
@@ -41,7 +41,7 @@ def config_sliding_window(attn: torch.nn.Module) -> dict:
 
 
 def layer_sliding_window(attn: torch.nn.Module) -> dict:
-    """Qwen2 / Qwen3: each attention module's own window (None on full-attention layers)."""
+    """Qwen2 / Qwen3 / Gemma 3: each attention module's own window (None on full-attention layers)."""
     return {"sliding_window": getattr(attn, "sliding_window", None)}
 
 
