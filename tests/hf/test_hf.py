@@ -79,10 +79,11 @@ def test_decoder_layer_matches_the_fp32_layer(backend, kv_heads):
         assert prm.grad is not None and torch.isfinite(prm.grad.float()).all(), name
 
 
+# The Triton kernels of the newer families' layers run against the torch references in tests/gpu/test_families_gpu.py
+# (the interpreter would add about a minute each here).
 @pytest.mark.parametrize("family,backend", [("llama", "torch"), ("llama", "triton"), ("mistral", "torch"),
                                             ("qwen2", "torch"), ("qwen3", "torch"), ("olmo2", "torch"),
-                                            ("olmo2", "triton"), ("gemma3_text", "torch"),
-                                            ("gemma3_text", "triton")])
+                                            ("gemma3_text", "torch")])
 def test_converted_model_tracks_the_bf16_model(family, backend):
     ref, model = tiny(family), tiny(family)
     names = {n: tuple(p.shape) for n, p in model.state_dict().items()}
@@ -193,7 +194,7 @@ def test_gradient_checkpointing_and_the_chunked_loss():
 
 def test_unsupported_models_and_bad_sections_fail_clearly():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(ValueError, match="supports Hugging Face decoders with model_type .*llama, mistral, olmo2, qwen2, qwen3"):
+    with pytest.raises(ValueError, match="Hugging Face decoders with model_type .*llama, mistral, olmo2, qwen2, qwen3"):
         convert_to_coat(gpt2)
     with pytest.raises(ValueError, match=r"no decoder layer .*activation gelu"):
         convert_to_coat(tiny("llama", hidden_act="gelu"))  # nothing to convert: an error, not a BF16 model
