@@ -23,13 +23,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
-from coat_kernels.act import ActivationConfig, CoatRuntime, fp8_linear, fp8_norm_linear, fp8_norm_swiglu_mlp
+from coat_kernels.act import ActivationConfig, CoatRuntime, fp8_norm_swiglu_mlp
 from coat_kernels.act.layer_graphs import GraphedLayer
 from coat_kernels.act.weights import WeightCache
 
 from . import attention, graphed_calls
+from .attention_block import attention_block
 from .causal_lm import kv_cache_of
 from .families import Family
 
@@ -113,27 +112,14 @@ def decoder_layer(layer, state: LayerState, x, position_embeddings, mask=None, k
         return state.family.layer_forward(layer, state, x, position_embeddings, mask, kv_cache, kwargs, rows)
     family = state.family
     attn, mlp = layer.self_attn, layer.mlp
-    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
     kw = dict(config=state.config, runtime=state.runtime)
-    offset = family.norm_offset
     b, s, h = x.shape
-    qkv_bias = None
-    if attn.q_proj.bias is not None:
-        qkv_bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
-    qkv, residual = fp8_norm_linear(x.reshape(b * s, h), norm1.weight, None,
-                                    (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight), qkv_bias,
-                                    eps=family.norm_eps(norm1), zero_centered_gamma=offset, residual_out=True,
-                                    weight_cache=state.qkv_cache, **kw)
-    q, k, v = family.rotary(attn, qkv, b, s, position_embeddings, state)
-    if kv_cache is not None:
-        k, v = kv_cache.update(k, v, attn.layer_idx)
-    o, kept = attention.attend(attn, q, k, v, mask, family.attention_kwargs(attn), kwargs or {})
-    if rows is not None:
-        graphed_calls.zero_padded_rows(o, rows, s)
-    a = fp8_linear(o, attn.o_proj.weight, attn.o_proj.bias, reuse_input=kept, weight_cache=state.o_cache, **kw)
+    norm2 = layer.post_attention_layernorm
+    a, residual = attention_block(layer, state, x, layer.input_layernorm, position_embeddings, mask, kv_cache, kwargs,
+                                  rows)
     y, hsum = fp8_norm_swiglu_mlp(a, norm2.weight, None, (mlp.gate_proj.weight, mlp.up_proj.weight),
                                   mlp.down_proj.weight, fc2_bias=mlp.down_proj.bias, residual=residual,
-                                  eps=family.norm_eps(norm2), zero_centered_gamma=offset,
+                                  eps=family.norm_eps(norm2), zero_centered_gamma=family.norm_offset,
                                   activation=family.activation(layer),
                                   fc1_cache=state.fc1_cache, fc2_cache=state.fc2_cache, **kw)
     out = hsum + y
