@@ -51,6 +51,19 @@ def run(fn, inputs, dy):
     return out, [t.grad for t in inputs]
 
 
+def fused_unfused_reference(fused, unfused, reference, ins32, dy, dh):
+    """(outputs, input gradients) of the fused block and the unfused blocks (BF16) and the fp32 reference, on leaves
+    made from ins32, backward with dy (and dh for a second output)."""
+    results = []
+    for fn, dtype in ((fused, torch.bfloat16), (unfused, torch.bfloat16), (reference, torch.float32)):
+        ins = leaves(*(t.to(dtype) for t in ins32))
+        outs = fn(*ins)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        torch.autograd.backward(outs, [dy.to(dtype), dh.to(dtype)][:len(outs)])
+        results.append((outs, [t.grad for t in ins]))
+    return results
+
+
 def check(out, grads, ref_out, ref_grads, fwd=FWD_BOUND, grad=GRAD_BOUND):
     assert rel(out, ref_out) < fwd
     for g, r in zip(grads, ref_grads):
@@ -208,14 +221,7 @@ def test_fp8_norm_swiglu_mlp_equals_the_unfused_blocks(backend, residual):
         y = F.linear(F.silu(g) * u, w2)
         return (y, h) if residual else y
 
-    results = []
-    for fn, dtype in ((fused, torch.bfloat16), (unfused, torch.bfloat16), (reference, torch.float32)):
-        ins = leaves(*(t.to(dtype) for t in ins32))
-        outs = fn(*ins)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        torch.autograd.backward(outs, [dy.to(dtype), dh.to(dtype)][:len(outs)])
-        results.append((outs, [t.grad for t in ins]))
-    (fo, fg), (uo, ug), (ro, rg) = results
+    (fo, fg), (uo, ug), (ro, rg) = fused_unfused_reference(fused, unfused, reference, ins32, dy, dh)
     for a, b in zip(fo + tuple(fg), uo + tuple(ug)):
         assert torch.equal(a, b)
     check(fo[0], fg, ro[0], rg)
@@ -535,14 +541,7 @@ def test_gelu_tanh_gated_blocks_track_fp32(backend, residual):
         y = gated(F.linear(F.rms_norm(h, (64,), nw, 1e-5), w1), w2)
         return (y, h) if residual else y
 
-    results = []
-    for fn, dtype in ((fused, torch.bfloat16), (unfused, torch.bfloat16), (reference, torch.float32)):
-        ins = leaves(*(t.to(dtype) for t in ins32))
-        outs = fn(*ins)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        torch.autograd.backward(outs, [dy.to(dtype), dh.to(dtype)][:len(outs)])
-        results.append((outs, [t.grad for t in ins]))
-    (fo, fg), (uo, ug), (ro, rg) = results
+    (fo, fg), (uo, ug), (ro, rg) = fused_unfused_reference(fused, unfused, reference, ins32, dy, dh)
     for a, b in zip(fo + tuple(fg), uo + tuple(ug)):
         assert torch.equal(a, b)
     # two chained FP8 GEMMs: the output error is 0.078-0.083 for SiLU and 0.079-0.085 for GeGLU on these shapes
