@@ -1,12 +1,13 @@
-"""The fused COAT AdamW step for CPU tensors: `cpu_adamw.cpp`, built on first use, bit-exact with the torch reference.
+"""The fused COAT optimizer steps for CPU tensors: `cpu_adamw.cpp` (AdamW) and `cpu_lion.cpp` (Lion), each built on
+first use into its own library, bit-exact with the torch references; both include `dre_cpu.h` (the shared encodings).
 
 `fused_adamw_step` has `dre_reference.fused_adamw_step`'s signature and results (the same bits: parameters, codes,
-metadata, skipped groups). The library is built with the system C++ compiler (`-O3 -march=native -ffp-contract=off
+metadata, skipped groups), `fused_lion_step` those of `momentum_reference.fused_lion_step`. Each library is built with the system C++ compiler (`-O3 -march=native -ffp-contract=off
 -fopenmp`: vectorized for this CPU, no fused multiply-add but the explicit ones; on CPUs with AVX-512 VBMI the source
 selects its intrinsics path, elsewhere its portable one) and loaded through ctypes; a build takes a few seconds, once
 per cache folder and CPU. The source ships inside the package (package data), so installed wheels build it too.
 
-Cache: one file per source, flags, compiler version and target CPU (what `-march=native` resolves to on this host,
+Cache: one file per source (with the header), flags, compiler version and target CPU (what `-march=native` resolves to on this host,
 as the compiler reports it), so hosts with different CPUs that share a home directory never load each other's
 library. Its folder is resolved once per process: `$COAT_FP8_CACHE_DIR` when set (it must be writable), else
 `$XDG_CACHE_HOME/coat_fp8` or `~/.cache/coat_fp8`, else, when that cannot be written, a private per-user folder in
@@ -37,6 +38,8 @@ from .dre_reference import AdamWScalars, DREConfig
 from .grouping import GroupLayout
 
 SOURCE = Path(__file__).with_name("cpu_adamw.cpp")
+LION_SOURCE = Path(__file__).with_name("cpu_lion.cpp")
+HEADER = Path(__file__).with_name("dre_cpu.h")  # included by both sources: part of each library's cache key
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 CACHE_DIR_VARIABLE = "COAT_FP8_CACHE_DIR"
 _PARAM_KINDS = {torch.float32: 0, torch.bfloat16: 1}
@@ -132,14 +135,15 @@ def native_target(compiler: str, flags: tuple[str, ...] = FLAGS) -> tuple[str, .
     return target
 
 
-def library_name(source_text: bytes, flags: tuple[str, ...], compiler_version: str, target: tuple[str, ...]) -> str:
+def library_name(source_text: bytes, flags: tuple[str, ...], compiler_version: str, target: tuple[str, ...],
+                 stem: str = "coat_cpu_adamw") -> str:
     """The cache file name: the target CPU's name (for people reading the folder) and a hash of everything that
     decides the library's bytes and where it may run."""
     key = hashlib.sha256(b"\0".join([source_text, " ".join(flags).encode(), compiler_version.encode(),
                                      "\n".join(target).encode()])).hexdigest()[:16]
     cpu = next((t.split("=", 1)[1] for t in target if t.startswith("-march=")), None)
     cpu = cpu or next((t.split(" ", 1)[1] for t in target if t.startswith("-target-cpu ")), "cpu")
-    return f"coat_cpu_adamw-{re.sub(r'[^A-Za-z0-9_.-]', '_', cpu)}-{key}.so"
+    return f"{stem}-{re.sub(r'[^A-Za-z0-9_.-]', '_', cpu)}-{key}.so"
 
 
 def cached_path(compiler: str, flags: tuple[str, ...], source: Path = SOURCE, cache_dir: Path | None = None) -> Path:
@@ -149,7 +153,9 @@ def cached_path(compiler: str, flags: tuple[str, ...], source: Path = SOURCE, ca
     if not source.is_file():
         raise RuntimeError(f"{source} is missing (coat-fp8 installed without its package data? reinstall it)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    name = library_name(source.read_bytes(), flags, version, native_target(compiler, flags))
+    header = HEADER.read_bytes() if HEADER.is_file() else b""
+    name = library_name(source.read_bytes() + header, flags, version, native_target(compiler, flags),
+                        stem=f"coat_{source.stem}")
     return (_writable_dir(Path(cache_dir)) if cache_dir is not None else default_cache_dir()) / name
 
 
@@ -176,21 +182,33 @@ def build(compiler: str | None = None, extra_flags: tuple[str, ...] = (), source
 
 
 def load(path: Path):
-    """The library built at path, loaded."""
+    """The library built at path, loaded (either step's: its int64 entry points declared)."""
     lib = ctypes.CDLL(str(path))
-    lib.coat_fused_adamw_step.restype = ctypes.c_int64
+    for entry in ("coat_fused_adamw_step", "coat_fused_lion_step"):
+        if hasattr(lib, entry):
+            getattr(lib, entry).restype = ctypes.c_int64
     return lib
 
 
 @lru_cache(maxsize=1)
 def library():
-    """The loaded library, or None (it cannot be built or loaded: one warning naming why, and the reference is
+    """The loaded AdamW library, or None (it cannot be built or loaded: one warning naming why, and the reference is
     used)."""
+    return _loaded(build, "optimizer step")
+
+
+@lru_cache(maxsize=1)
+def lion_library():
+    """The loaded Lion library, or None (as `library`)."""
+    return _loaded(lambda: build(source=LION_SOURCE), "Lion step")
+
+
+def _loaded(make, what: str):
     try:
-        return load(build())
+        return load(make())
     except Exception as exc:  # no compiler, no source, no cache folder, a failed build or load: the reference works
-        warnings.warn(f"coat-fp8: the fast CPU optimizer step is unavailable ({exc}); CPU tensors use the torch "
-                      "reference step (same results, much slower)", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"coat-fp8: the fast CPU {what} is unavailable ({exc}); CPU tensors use the torch "
+                      "reference step (same results, much slower)", RuntimeWarning, stacklevel=3)
         return None
 
 
@@ -288,4 +306,28 @@ def fused_adamw_step(param, grad, m_codes, m_meta, v_codes, v_meta, layout: Grou
         ctypes.c_int64(layout.num_groups), _ptr(scalars), _ptr(m_consts), _ptr(m_ints), _ptr(v_consts), _ptr(v_ints),
         _ptr(m_table), _ptr(v_table),
         int(skip_nonfinite), torch.get_num_threads())
+    return torch.tensor(skipped, dtype=torch.int64)
+
+
+def fused_lion_step(param, grad, codes, meta, layout: GroupLayout, h, cfg: DREConfig) -> torch.Tensor:
+    """lion_reference.fused_lion_step, for CPU tensors: checked and dispatched as `fused_adamw_step` (the torch
+    reference steps what the library does not take), with the same results."""
+    from . import lion_reference
+
+    _check_step_arguments(param, grad, codes, meta, codes, meta, layout)  # one moment: checked as both
+    lib = lion_library()
+    if lib is None or param.dtype not in _PARAM_KINDS or layout.group_size > lib.coat_max_group() or not all(
+            t.is_contiguous() for t in (param, codes, meta)):
+        return lion_reference.fused_lion_step(param, grad, codes, meta, layout, h, cfg)
+    grad = grad.reshape(-1)
+    if grad.dtype not in _GRAD_KINDS:
+        grad = grad.float()
+    grad = grad.contiguous()
+    starts, lengths = _bounds(layout)
+    scalars = torch.tensor([getattr(h, f) for f in type(h).__dataclass_fields__], dtype=torch.float32)
+    consts, ints, table = _moment_args(cfg)
+    skipped = lib.coat_fused_lion_step(
+        _ptr(param), _PARAM_KINDS[param.dtype], _ptr(grad), _GRAD_KINDS[grad.dtype], _ptr(codes), _ptr(meta),
+        _ptr(starts), _ptr(lengths), ctypes.c_int64(layout.num_groups), _ptr(scalars), _ptr(consts), _ptr(ints),
+        _ptr(table), torch.get_num_threads())
     return torch.tensor(skipped, dtype=torch.int64)
