@@ -3,7 +3,8 @@
 Megatron generates `--transformer-impl` from TransformerConfig's Literal, with closed argparse choices; this adds
 "coat" to them (the value then flows into TransformerConfig unchanged, which does not enforce the Literal) and
 adds the `--coat-*` options: the spec's (`--coat-attention`) and the FP8 optimizer's (`--coat-optimizer`, usable
-with every --transformer-impl).
+with every --transformer-impl), and `--activation-func-fp8-input-store`, a TransformerConfig field that
+megatron.training lists but gives no flag (the TransformerEngine arms of launch/megatron_compare.sh use it).
 """
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ def add_coat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                           "CoatFP8AdamW: both moments in FP8 with per-group dynamic range expansion")
     for option, (flag, kwargs) in OPTIMIZER_FLAGS.items():
         opt.add_argument(flag, dest=f"coat_{option}", **kwargs)
+    te = parser.add_argument_group("Megatron TransformerConfig fields that megatron.training has no flag for")
+    # megatron.training copies every argument named like a TransformerConfig field into the config
+    te.add_argument("--activation-func-fp8-input-store", action="store_true",
+                    help="TransformerConfig.activation_func_fp8_input_store: the SwiGLU input saved for backward in "
+                         "FP8 (Megatron's MLP; needs its fused SwiGLU, i.e. no --no-bias-swiglu-fusion)")
     return parser
 
 
@@ -96,6 +102,7 @@ def install_coat_args() -> None:
 
 def validate_coat_args(args) -> None:
     """Reject settings the COAT spec cannot honour, with the option to change."""
+    _validate_fp8_input_store(args)
     if args.transformer_impl != COAT_IMPL:
         return
     problems = []
@@ -110,3 +117,17 @@ def validate_coat_args(args) -> None:
                         "use --coat-attention te")
     if problems:
         raise SystemExit("--transformer-impl coat: " + "; ".join(problems))
+
+
+def _validate_fp8_input_store(args) -> None:
+    """--activation-func-fp8-input-store acts only where Megatron's MLP applies a SwiGLU that honours it."""
+    if not getattr(args, "activation_func_fp8_input_store", False):
+        return
+    if args.transformer_impl == COAT_IMPL:
+        raise SystemExit("--activation-func-fp8-input-store: the COAT spec saves its MLP activations in FP8 by "
+                         "itself: drop it")
+    if not getattr(args, "swiglu", False):
+        raise SystemExit("--activation-func-fp8-input-store is for SwiGLU MLPs: add --swiglu")
+    if not (getattr(args, "bias_swiglu_fusion", True) or getattr(args, "use_te_activation_func", False)):
+        raise SystemExit("--activation-func-fp8-input-store is ignored by Megatron's unfused SwiGLU: drop "
+                         "--no-bias-swiglu-fusion (or use --use-te-activation-func)")
