@@ -1,18 +1,22 @@
 """launch/megatron_compare.sh's arms for any number of GPUs, checked by the commands it would run (DRY_RUN=1): X_tpN_sp
 is arm X_tp1 at TP=N + sequence parallelism on N GPUs, X_dpN arm X_tp1 on N data-parallel ranks (global batch N x the
-micro-batch); arms needing more GPUs than visible are skipped; a malformed arm name is an error before any run."""
+micro-batch), X_tpT_dpD both; arms needing more GPUs than visible are skipped; malformed arm names, iteration counts
+Megatron's LR scheduler would assert on, and layouts that do not fit the model or the GPUs are errors before any
+run."""
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def dry_run(tmp_path, arms, gpus=4):
+def dry_run(tmp_path, arms, gpus=4, iters="30", **settings):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "DRY_RUN": "1",
-           "DATA": "mock", "NGPUS": str(gpus), "MICROS": "4", "ARMS": arms}
-    return subprocess.run(["bash", "launch/megatron_compare.sh", str(tmp_path / "out"), "10"], cwd=ROOT, env=env,
+           "DATA": "mock", "NGPUS": str(gpus), "MICROS": "4", "ARMS": arms, **settings}
+    return subprocess.run(["bash", "launch/megatron_compare.sh", str(tmp_path / "out"), iters], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -27,8 +31,8 @@ def test_n_gpu_arms_get_their_ranks_layout_and_global_batch(tmp_path):
     assert out.returncode == 0, out.stderr
     tp4 = command_of(out.stdout, "coat_tp4_sp_mb4")
     assert "CUDA_VISIBLE_DEVICES=0,1,2,3 torchrun --nproc_per_node 4" in tp4
-    assert tp4.endswith("--micro-batch-size 4 --global-batch-size 4 --train-iters 10 --transformer-impl coat "
-                        "--coat-optimizer --tensor-model-parallel-size 4 --sequence-parallel")
+    assert tp4.endswith("--micro-batch-size 4 --global-batch-size 4 --train-iters 30 --no-bias-swiglu-fusion "
+                        "--transformer-impl coat --coat-optimizer --tensor-model-parallel-size 4 --sequence-parallel")
     dp2 = command_of(out.stdout, "te_fp8_delayed_dp2_mb4")
     assert "CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node 2" in dp2
     assert "--global-batch-size 8 " in dp2 and "--fp8-recipe delayed" in dp2 and "--tensor-model" not in dp2
@@ -37,7 +41,58 @@ def test_n_gpu_arms_get_their_ranks_layout_and_global_batch(tmp_path):
 
 
 def test_malformed_arm_names_fail_before_any_run(tmp_path):
-    for arm in ("coat_tp1_sp", "bogus_dp2", "coat_tp2"):
+    for arm in ("coat_tp1_sp", "bogus_dp2", "coat_tp2", "coat_tp1_dp2", "coat_tp2_dp1", "te_memstack_tp2_dp"):
         out = dry_run(tmp_path, f"coat_tp1 {arm}")
         assert out.returncode != 0 and "unknown arm" in out.stderr, (arm, out.stdout, out.stderr)
         assert "== coat_tp1_mb4" not in out.stdout
+
+
+def test_tp_times_dp_layout_and_the_blockwise_memory_stack_and_precision_aware_arms(tmp_path):
+    out = dry_run(tmp_path, "te_memstack_tp2_dp2 coat_pa_tp2_dp2 te_fp8_blockwise_tp1")
+    assert out.returncode == 0, out.stderr
+    stack = command_of(out.stdout, "te_memstack_tp2_dp2_mb4")
+    assert "CUDA_VISIBLE_DEVICES=0,1,2,3 torchrun --nproc_per_node 4" in stack
+    assert "--global-batch-size 8 " in stack  # 2 data-parallel ranks x 4
+    for flag in ("--fp8-format e4m3 --fp8-recipe blockwise", "--fp8-param-gather", "--use-precision-aware-optimizer",
+                 "--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 --main-grads-dtype bf16",
+                 "--activation-func-fp8-input-store", "--recompute-granularity selective --recompute-modules layernorm",
+                 "--tensor-model-parallel-size 2 --sequence-parallel"):
+        assert flag in stack, flag
+    assert "--no-bias-swiglu-fusion" not in stack  # the FP8 input store needs Megatron's fused SwiGLU
+    pa = command_of(out.stdout, "coat_pa_tp2_dp2_mb4")
+    assert pa.endswith("--no-bias-swiglu-fusion --transformer-impl coat --coat-optimizer "
+                       "--use-precision-aware-optimizer --main-grads-dtype bf16 --tensor-model-parallel-size 2 "
+                       "--sequence-parallel")
+    blockwise = command_of(out.stdout, "te_fp8_blockwise_tp1_mb4")
+    assert blockwise.endswith("--transformer-impl transformer_engine --fp8-format e4m3 --fp8-recipe blockwise")
+    assert "--lr-warmup-iters 20 " in out.stdout  # the common flags are printed once
+
+
+@pytest.mark.parametrize("iters, settings, message", [
+    ("20", {}, "TRAIN_ITERS=20: Megatron's LR scheduler asserts --lr-warmup-iters < --train-iters"),
+    ("30", {"MICROS": "4 max", "MAX_ITERS": "15"}, "MAX_ITERS=15: Megatron's LR scheduler"),
+    ("10", {"LR_WARMUP_ITERS": "10"}, "here 10 < 10"),
+    ("ten", {}, "TRAIN_ITERS=ten is not a number"),
+    ("30", {"MICROS": "4 big"}, "MICROS: big is not a micro-batch size"),
+])
+def test_iteration_counts_megatron_would_assert_on_fail_before_any_run(tmp_path, iters, settings, message):
+    out = dry_run(tmp_path, "coat_tp1", iters=iters, **settings)
+    assert out.returncode == 2 and message in out.stderr, (out.stdout, out.stderr)
+    assert "torchrun" not in out.stdout and not (tmp_path / "out").exists()
+
+
+def test_fewer_iterations_pass_with_a_shorter_warm_up(tmp_path):
+    out = dry_run(tmp_path, "coat_tp1", iters="15", LR_WARMUP_ITERS="5", MICROS="4 max", MAX_ITERS="12")
+    assert out.returncode == 0, out.stderr
+    assert "--lr-warmup-iters 5 " in out.stdout and "--train-iters 15 " in command_of(out.stdout, "coat_tp1_mb4")
+
+
+@pytest.mark.parametrize("arms, gpus, message", [
+    ("coat_tp1 coat_tp3_sp", 4, "coat_tp3_sp: TP=3 does not divide MODEL=gpt370m's 16 attention heads"),
+    ("coat_tp1 coat_dp3", 4, "coat_dp3: its 3 GPUs (TP=1 x DP=3) do not divide the 4 GPUs visible"),
+    ("coat_tp2_dp3", 8, "coat_tp2_dp3: its 6 GPUs (TP=2 x DP=3) do not divide the 8 GPUs visible"),
+])
+def test_layouts_that_do_not_fit_the_model_or_the_gpus_fail_before_any_run(tmp_path, arms, gpus, message):
+    out = dry_run(tmp_path, arms, gpus=gpus)
+    assert out.returncode == 2 and message in out.stderr, (out.stdout, out.stderr)
+    assert "torchrun" not in out.stdout
