@@ -8,10 +8,10 @@ import pytest
 from launch import megatron_report as R
 
 
-def write_log(path, micro, ms, losses, iters=30, peak=40.0, held=10.0, card=80.0, finished=True):
+def write_log(path, micro, ms, losses, iters=30, peak=40.0, held=10.0, card=80.0, finished=True, dp=1):
     lines = ["------------------------ arguments ------------------------",
              f"  micro_batch_size {'.' * 32} {micro}", f"  seq_length {'.' * 38} 2048",
-             f"  data_parallel_size {'.' * 30} 1", f"  train_iters {'.' * 37} {iters}"]
+             f"  data_parallel_size {'.' * 30} {dp}", f"  train_iters {'.' * 37} {iters}"]
     last = iters if finished else iters - 10
     for it, loss in zip(range(5, last + 1, 5), losses):
         lines.append(f" [2026-11-25 10:00:00.000000] iteration {it:8d}/{iters:8d} | consumed samples: "
@@ -71,3 +71,51 @@ def test_largest_micro_batch_prediction(tmp_path):
     write_log(log, 4, 100.0, [9, 8], finished=False)
     with pytest.raises(SystemExit, match="did not finish"):
         R.predict_max(str(log), 4)
+
+
+def test_blockwise_ratios_largest_micro_batch_against_the_fastest_te_arm_and_the_loss_plot_arms(tmp_path):
+    # one GPU: TE blockwise 4 -> 160 ms, 30 GiB; its largest 8 -> 300 ms; the memory stack's largest 16 -> 560 ms
+    write_log(tmp_path / "te_fp8_blockwise_tp1_mb4.log", 4, 160.0, [9, 8, 7, 6, 5, 4], peak=30.0)
+    write_log(tmp_path / "te_fp8_blockwise_tp1_mbmax.log", 8, 300.0, [9, 8, 7, 6, 5, 4], peak=60.0)
+    write_log(tmp_path / "te_memstack_tp1_mb4.log", 4, 200.0, [9, 8, 7, 6, 5, 4], peak=20.0)
+    write_log(tmp_path / "te_memstack_tp1_mbmax.log", 16, 560.0, [9, 8, 7, 6, 5, 4], peak=66.0)
+    write_log(tmp_path / "te_bf16_tp1_mb4.log", 4, 200.0, [9, 8, 7, 6, 5, 4], peak=36.0)
+    write_log(tmp_path / "coat_tp1_mb4.log", 4, 128.0, [9, 8, 7, 6, 5, 4], peak=21.0)
+    write_log(tmp_path / "coat_tp1_mbmax.log", 32, 800.0, [9, 8, 7, 6, 5, 4], peak=68.0)
+    write_log(tmp_path / "coat_pa_tp1_mb4.log", 4, 128.0, [9, 8, 7, 6, 5, 4], peak=18.0)
+    write_log(tmp_path / "local_bf16_tp1_mb4.log", 4, 400.0, [9, 8, 7, 6, 5, 4])
+    res = R.report(str(tmp_path), skip=10)
+    table = (tmp_path / "results.md").read_text()
+    # COAT at 4: 160 / 128 = 1.25x TE blockwise's tokens/s at 21 / 30 = 0.70x its peak
+    assert "| coat_tp1 | 4 | 128.0 | 64,000 | 1.56x |  | 21.00 |" in table
+    assert table.split("| coat_tp1 | 4 | 128.0 |")[1].split("\n")[0].endswith("| 1.25x | 0.70x |")
+    assert table.split("| te_fp8_blockwise_tp1 | 4 |")[1].split("\n")[0].endswith("| 1.00x | 1.00x |")
+    # largest: TE blockwise 8 x 2048 / 0.3 = 54,613; the memory stack 16 x 2048 / 0.56 = 58,514 (the fastest TE
+    # arm at its largest); COAT 32 x 2048 / 0.8 = 81,920 = 1.40x of it
+    largest = {row["arm"]: row for row in res["largest"]}
+    assert largest["coat_tp1"]["micro"] == 32 and largest["coat_tp1"]["best_te_arm"] == "te_memstack_tp1"
+    assert largest["coat_tp1"]["x_best_te"] == "1.40x"
+    assert "| coat_tp1 | 32 | 81,920 | 68.00 | te_memstack_tp1 (16) | 1.40x |" in table
+    assert res["loss_plot_arms"] == ["coat_tp1", "te_bf16_tp1", "te_fp8_blockwise_tp1"]  # at their smallest
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def test_tp_times_dp_layouts_have_their_own_references_and_dp_scaling(tmp_path):
+    write_log(tmp_path / "coat_tp1_mb4.log", 4, 100.0, [9, 8, 7, 6, 5, 4])
+    write_log(tmp_path / "coat_dp4_mb4.log", 4, 110.0, [9, 8, 7, 6, 5, 4], dp=4)
+    write_log(tmp_path / "te_fp8_blockwise_tp2_dp2_mb4.log", 4, 150.0, [9, 8, 7, 6, 5, 4], peak=50.0, dp=2)
+    write_log(tmp_path / "coat_tp2_dp2_mb4.log", 4, 120.0, [9, 8, 7, 6, 5, 4], peak=25.0, dp=2)
+    res = R.report(str(tmp_path), skip=10)
+    runs = {r["arm"]: r for r in res["runs"]}
+    assert runs["coat_tp2_dp2"]["tokens_per_s"] == pytest.approx(2 * 4 * 2048 / 0.12)
+    table = (tmp_path / "results.md").read_text()
+    assert table.split("| coat_tp2_dp2 | 4 |")[1].split("\n")[0].endswith("| 1.25x | 0.50x |")
+    # four ranks at 110 ms against one at 100 ms: 100 / 110 = 90.9%
+    assert res["dp_scaling"] == [{"arm": "coat_dp4", "micro": 4, "efficiency": pytest.approx(100 / 110)}]
+    assert "| coat_dp4 | 4 | 297,891 | 81,920 | 90.9% |" in table
+    assert R.layout_of("te_memstack_tp2_dp2") == "tp2_dp2" and R.family_of("te_memstack_tp2_dp2") == "te_memstack"
+
+
+def test_prediction_from_a_missing_log_says_so(tmp_path):
+    with pytest.raises(SystemExit, match="no such log"):
+        R.predict_max(str(tmp_path / "coat_tp1_mb4.log"), 4)
