@@ -34,7 +34,9 @@
 # MICROS: the micro-batch sizes to run (global batch = micro-batch, one micro-batch per step). "max": the largest
 # that fits, predicted from the same arm's run at the first size (its peak and its memory between iterations, linear
 # in the micro-batch), tried, and lowered (by 1/8; by 1 below 16) while it runs out of memory; "max:N": the same
-# search from N. ITERS iterations at fixed sizes, MAX_ITERS (default 30) at "max". 1-GPU arms run NGPUS at a time
+# search from N. ITERS iterations at fixed sizes, MAX_ITERS (default 30) at "max". RESUME=1: runs whose log in
+# OUT_DIR ran to its end are kept, not run again (a command stopped by a time limit continues where it was). The
+# first fixed size that ran to its end is the one "max" predicts from. 1-GPU arms run NGPUS at a time
 # (one per GPU); N-GPU arms alone, skipped where fewer than N GPUs are visible. DRY_RUN=1: print each run's command
 # instead of running it.
 # MODEL=gpt370m (default): 24 layers, hidden 1024, 16 heads, SwiGLU FFN 2816, seq 1024; gpt1b: 16 layers, hidden
@@ -186,12 +188,26 @@ run() {  # run LOG GPUS NPROC PORT MICRO ITERS ARM: one training run; its exit s
 # what a run that does not fit says (cuBLAS and cuDNN report a failed allocation their own way)
 OOM="out of memory|OutOfMemoryError|ALLOC_FAILED|cudaErrorMemoryAllocation|CUDNN_STATUS_(ALLOC|INTERNAL|EXECUTION)"
 
+finished() {  # finished LOG: the run wrote its closing memory report
+  grep -qs "\[coat_megatron\] rank 0 memory allocated after training" "$1"
+}
+
 run_arm() {  # run_arm ARM GPUS NPROC PORT: every size in MICROS
   local arm=$1 gpus=$2 nproc=$3 port=$4 first="" micro
   for micro in ${MICROS:-8}; do
     if [[ $micro != max* ]]; then
-      first=${first:-$micro}
-      run "$OUT/${arm}_mb${micro}.log" "$gpus" "$nproc" "$port" "$micro" "$ITERS" "$arm" || true
+      local log="$OUT/${arm}_mb${micro}.log"
+      if [[ ${RESUME:-0} == 1 ]] && finished "$log"; then
+        echo "== ${arm}_mb${micro}: kept (RESUME=1)"
+      else
+        run "$log" "$gpus" "$nproc" "$port" "$micro" "$ITERS" "$arm" || true
+      fi
+      # "max" is predicted from the first size that ran to its end
+      if [[ ${DRY_RUN:-0} == 1 ]] || finished "$log"; then first=${first:-$micro}; fi
+      continue
+    fi
+    if [[ ${RESUME:-0} == 1 ]] && finished "$OUT/${arm}_mbmax.log"; then
+      echo "== ${arm}_mbmax: kept (RESUME=1)"
       continue
     fi
     if [[ $micro == max:* ]]; then
@@ -201,7 +217,7 @@ run_arm() {  # run_arm ARM GPUS NPROC PORT: every size in MICROS
       continue
     else
       micro=$(python3 -m launch.megatron_report --predict-max "$OUT/${arm}_mb${first}.log" --micro "$first") || {
-        echo "== $arm: no prediction of the largest micro-batch (needs a finished run at ${first:-a fixed size})"
+        echo "== $arm: no prediction of the largest micro-batch (needs a run of a fixed size that finished)"
         continue; }
     fi
     local tries=0

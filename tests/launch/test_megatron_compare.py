@@ -96,3 +96,17 @@ def test_layouts_that_do_not_fit_the_model_or_the_gpus_fail_before_any_run(tmp_p
     out = dry_run(tmp_path, arms, gpus=gpus)
     assert out.returncode == 2 and message in out.stderr, (out.stdout, out.stderr)
     assert "torchrun" not in out.stdout
+
+
+def test_resume_keeps_runs_that_finished_and_runs_the_rest(tmp_path):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "coat_tp1_mb4.log").write_text("...\n[coat_megatron] rank 0 memory allocated after training: "
+                                              "10.00 GiB of 80.00 GiB\n")
+    (out_dir / "coat_tp1_mb8.log").write_text("iteration 5/30 | ...\n")  # stopped before its end
+    out = dry_run(tmp_path, "coat_tp1", RESUME="1", MICROS="4 8")
+    assert out.returncode == 0, out.stderr
+    assert "== coat_tp1_mb4: kept (RESUME=1)" in out.stdout
+    assert "--micro-batch-size 8 " in command_of(out.stdout, "coat_tp1_mb8")
+    again = dry_run(tmp_path, "coat_tp1", MICROS="4 8")  # without RESUME every run is run again
+    assert "--micro-batch-size 4 " in command_of(again.stdout, "coat_tp1_mb4")
