@@ -8,6 +8,7 @@ Arms (each is `launch/train_ds.py` with a ds_config and, for the peers, one flag
   coat          CoatFP8AdamW + "coat": {"fp8_activations": true}  configs/ds_zero2_coat_full.json
   coat_graphs   coat + "cuda_graphs": true (per-layer CUDA graphs) configs/ds_zero2_coat_graphs.json
   coat_remainders  coat + bf16 masters with 16-bit remainders     configs/ds_zero2_coat_remainders.json
+  coat_graphs_remainders  coat_graphs with bf16 masters + remainders  configs/ds_zero2_coat_graphs_remainders.json
   torchao       torchao float8 tensorwise + compile + AdamW       configs/ds_zero2_adamw_bf16.json + --torchao-float8
   bf16_ckpt, coat_ckpt      bf16 / coat with Hugging Face gradient checkpointing (--grad-checkpointing)
   bf16_offload  ZeRO-Offload: AdamW on the CPU (DeepSpeedCPUAdam)  configs/ds_zero2_adamw_offload.json
@@ -51,6 +52,7 @@ ARMS = {
     "coat": ("configs/ds_zero2_coat_full.json", []),
     "coat_graphs": ("configs/ds_zero2_coat_graphs.json", []),
     "coat_remainders": ("configs/ds_zero2_coat_remainders.json", []),
+    "coat_graphs_remainders": ("configs/ds_zero2_coat_graphs_remainders.json", []),
     "torchao": ("configs/ds_zero2_adamw_bf16.json", ["--torchao-float8"]),
 }
 DEFAULT_ARMS = list(ARMS)

@@ -13,7 +13,8 @@ pipeline and hybrid engines run it through `super().__init__`):
   `_create_optimizer_mapping`, which DeepSpeed itself runs only with CPU offload), for
   coat_ds.full_optimizer_state; the converted model's weight-cache clock ticks after every step of the engine's torch
   optimizer, and under ZeRO-3 the parameters the COAT forwards read from submodules (q/k/v, gate/up, ... and the
-  LM head for the chunked loss) are registered with the module that reads them, so ZeRO-3 gathers them there.
+  LM head for the chunked loss) are registered with the module that reads them, so ZeRO-3 gathers them there; under
+  ZeRO-1/2 the optimizer step borrows the memory of the model's CUDA-graph pool (coat_ds.graph_pool_step).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import logging
 import torch
 
 from . import patch_sites
+from .graph_pool_step import lend_graph_pool_to_steps
 from .model_snapshot import ModelSnapshot
 from .optimizer import OPTIMIZER_NAME, CoatFP8AdamW
 
@@ -93,6 +95,8 @@ def finish_engine(engine) -> None:
     optimizer = getattr(engine, "basic_optimizer", None)
     if isinstance(optimizer, torch.optim.Optimizer):
         runtime.attach_optimizer(optimizer)
+    if isinstance(wrapper, patch_sites.resolve(patch_sites.ZERO_1_2)):
+        lend_graph_pool_to_steps(wrapper, runtime.graph_pool)
     if engine.zero_optimization_stage() == 3:
         from deepspeed.runtime.zero import register_external_parameter
 

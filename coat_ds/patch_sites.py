@@ -37,6 +37,7 @@ MISSPELT_SECTION = ("tests/deepspeed/test_ds_config_section.py::"
 HF_SECTION = "tests/hf/test_hf.py::test_deepspeed_zero2_and_zero3_from_the_ds_config_alone"
 OFFLOAD = "tests/kernels/optim/test_cpu_step.py::test_deepspeed_zero2_cpu_offload_resumes_bit_exactly"
 IN_PLACE = "tests/deepspeed/test_patch_sites.py::test_every_class_and_module_patch_is_in_place_after_registration"
+GRAPH_POOL_STEP = "tests/gpu/test_graph_pool_loans_gpu.py::test_zero2_steps_borrow_the_graph_pool_with_the_same_bits"
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,17 @@ UNIVERSAL_LOAD_3 = PatchSite(
     (ZERO_3,), "load_hp_checkpoint_state_from_checkpoint_dir_stage3", "wrapped on the instance",
     "as for ZeRO-1/2, over fp32_partitioned_groups_flat", "as for ZeRO-1/2", "coat_ds.master_partitions",
     (REMAINDERS,))
+ZERO_STEP = PatchSite(
+    (ZERO_1_2,), "step", "wrapped on the instance",
+    "the engine steps the ZeRO-1/2 optimizer through it once per accumulation boundary, after the backward",
+    "with per-layer CUDA graphs: the step borrows the graphs' pool memory (coat_ds.graph_pool_step)",
+    "coat_ds.graph_pool_step", (GRAPH_POOL_STEP,))
+ZERO_FLATTEN = PatchSite(
+    (ZERO_1_2,), "flatten", "wrapped on the instance",
+    "step() makes each gradient partition with self.flatten (also inside flatten_dense_tensors_aligned), then "
+    "converts it with .to(master dtype), which returns a tensor already of that dtype as it is",
+    "during a step that borrows the graphs' pool: one master-dtype copy in the pool's memory instead of two new "
+    "tensors", "coat_ds.graph_pool_step", (GRAPH_POOL_STEP,))
 IMPORT_HOOK = PatchSite(
     ("importlib.machinery:SourceFileLoader",), "exec_module", "wrapped on the instance",
     "the loader of the spec found for `deepspeed`: its exec_module runs deepspeed's code",
@@ -122,7 +134,7 @@ IMPORT_HOOK = PatchSite(
 
 PATCHES = (TORCH_OPTIM_CLASS, ZERO_SUPPORTED, SANITY_CHECK, CONFIGURE_ZERO, ENGINE_INIT, GET_FULL_STATE,
            SET_FULL_STATE, GET_LOCAL_STATE, SET_LOCAL_STATE, MASTER_STATE_DICT, UNIVERSAL_LOAD_1_2, UNIVERSAL_LOAD_3,
-           IMPORT_HOOK)
+           ZERO_STEP, ZERO_FLATTEN, IMPORT_HOOK)
 
 INTERNALS = (
     Internal(("_hp_mapping", "hp_fragment", "get_hp_fragment_address", "lp_fragment_address", "param_group_index",

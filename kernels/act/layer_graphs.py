@@ -73,21 +73,43 @@ class GraphPool:
     keyed by the shapes it was captured for)."""
 
     def __init__(self):
-        self._handle = None
+        self._memory = None
+        self._stream = None
         self.generations: dict = {}
         self.handed_out: list = []  # weak references to outputs returned by replays, newest last
         self.warned: set = set()
         self.reset_requested = False
+        self.reserve_bytes = 0  # the pool's first segment, in one piece (see `memory`)
+
+    @property
+    def memory(self) -> torch.cuda.MemPool:
+        """The memory pool every capture allocates from (made at the first capture, anew after a reset). With
+        `reserve_bytes` set, its first segment is that large: captures carve their blocks out of it, and once they
+        have given them back it is one free block again, which work borrowing the pool can take in one piece."""
+        if self._memory is None:
+            self._memory = torch.cuda.MemPool()
+            if self.reserve_bytes:
+                with torch.cuda.stream(self.capture_stream), torch.cuda.use_mem_pool(self._memory):
+                    torch.empty(self.reserve_bytes, dtype=torch.uint8, device="cuda")  # freed: a free segment
+        return self._memory
 
     @property
     def handle(self):
-        if self._handle is None:
-            self._handle = torch.cuda.graph_pool_handle()
-        return self._handle
+        return self.memory.id
+
+    @property
+    def capture_stream(self) -> torch.cuda.Stream:
+        """The one stream every capture runs on: the caching allocator keeps a pool's free blocks per stream, so
+        captures (and work borrowing the pool's memory, kernels.act.graph_pool_loans) reuse each other's memory only
+        on one stream."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
 
     def __getstate__(self):
         """Copies and pickles start empty (a copied model captures its own graphs in a pool of its own)."""
-        return {"_handle": None, "generations": {}, "handed_out": [], "warned": set(), "reset_requested": False}
+        return {"_memory": None, "_stream": None, "generations": {}, "handed_out": [], "warned": set(),
+                "reset_requested": False, "reserve_bytes": 0}
 
     def generation(self, key, max_generations: int, shapes) -> "Generation | None":
         """The generation of bucket `key` (made now if new and within max_generations; else None, with one warning
@@ -123,12 +145,29 @@ class GraphPool:
         fresh = self.generations[gen.key] = Generation(gen.key)
         return fresh
 
+    def close_all(self) -> None:
+        """Every generation gives all its memory back to the pool (their graphs keep writing it at their next
+        replays); only when none is in flight."""
+        for gen in self.generations.values():
+            gen.close()
+
     def reset(self) -> None:
         """Drop every generation (their graphs and pool) and capture anew; only when none is in flight."""
+        dropped = self._memory is not None
         self.generations.clear()
         self.handed_out.clear()
-        self._handle = None
+        self._memory = None
         self.reset_requested = False
+        if dropped:  # the dropped pool's segments go back to the device, before a new pool reserves its own
+            torch.cuda.empty_cache()
+
+    def segment_bytes(self) -> int:
+        """Bytes of the pool's segments (0 before the first capture)."""
+        if self._memory is None:
+            return 0
+        pool_id = tuple(self._memory.id)
+        return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+                   if tuple(s.get("segment_pool_id", ())) == pool_id)
 
     def may_replay(self, input_tensor) -> bool:
         """Whether a replay may run: no output handed out earlier whose buffer went back to the pool (where any later
@@ -356,7 +395,7 @@ class GraphedLayer:
                     del out, leaf
             torch.cuda.current_stream().wait_stream(side)
             forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(forward, pool=handle):
+            with torch.cuda.graph(forward, pool=handle, stream=self.pool.capture_stream):
                 # buffers made here (no kernel runs) come from the pool; they are filled before each replay
                 if gen.shared is None:
                     owners = [torch.empty_like(t) if t is not None else None for t in shared_warm]
@@ -371,7 +410,7 @@ class GraphedLayer:
                     gen.hold(("input", len(gen.order)), owner)
                     x_static = unowned(owner).requires_grad_(x.requires_grad)
                 output = self.fn(x_static, *gen.shared)
-            with torch.cuda.graph(backward, pool=handle):
+            with torch.cuda.graph(backward, pool=handle, stream=self.pool.capture_stream):
                 grad_output = torch.empty_like(output)
                 surface = ([x_static] if x_static.requires_grad else []) + aliases
                 grads = torch.autograd.grad(output, surface, grad_output, allow_unused=True, retain_graph=True)

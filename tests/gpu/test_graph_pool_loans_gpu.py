@@ -1,0 +1,162 @@
+"""Lending the CUDA-graph pool's memory between a backward and the next forward (coat_kernels.act.graph_pool_loans,
+coat_ds.graph_pool_step): a lent tensor takes free pool memory instead of growing the reserved memory; the graphs
+replay afterwards with the bits they give without a loan; a lent tensor that outlives its block makes the layers
+capture anew and is left untouched; nothing is lent while a backward is pending; and a ZeRO-2 engine with per-layer
+graphs steps with its gradient partitions in the pool, with the bits of the same engine without the loans.
+
+    python3 -m pytest -q tests/gpu/test_graph_pool_loans_gpu.py
+"""
+import copy
+import json
+
+import pytest
+import torch
+
+from coat_hf import ActivationConfig, convert_to_coat
+from coat_kernels.act.graph_pool_loans import lend
+
+SEQ, VOCAB, HIDDEN = 512, 8192, 512
+
+
+def llama(layers=4):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=1408, num_hidden_layers=layers,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=SEQ)
+    return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+
+
+def graphed_model():
+    return convert_to_coat(llama(), ActivationConfig(cache_weights=False, cuda_graphs=True))
+
+
+def batches(steps, seed=1):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randint(0, VOCAB, (4, SEQ), device="cuda", generator=g) for _ in range(steps)]
+
+
+def train_step(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.item()
+
+
+def captures(model):
+    return [len(layer.coat.graphs.captures) for layer in model.model.layers]
+
+
+def run(model, ids_list, between=None):
+    """Losses and final gradients of SGD steps; `between(step)` runs after each step's backward."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for i, ids in enumerate(ids_list):
+        losses.append(train_step(model, ids))
+        if between is not None:
+            between(i)
+        opt.step()
+    return losses, [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_loan_takes_pool_memory_and_the_replays_keep_their_bits():
+    plain, lending = graphed_model(), graphed_model()
+    pool = lending.coat_runtime.graph_pool
+    grown = []
+
+    def borrow(step):
+        if step == 0:
+            return
+        before = torch.cuda.memory_reserved()
+        with lend(pool) as loan:
+            assert loan is not None
+            t = loan.empty(64 << 20, torch.uint8, torch.device("cuda"))  # 64 MiB of garbage over the activations
+            t.fill_(0xAB)
+            del t
+        grown.append(torch.cuda.memory_reserved() - before)
+
+    data = batches(4)
+    expected, got = run(plain, data), run(lending, data, borrow)
+    assert got[0] == expected[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], expected[1]))
+    assert captures(lending) == [1] * 4
+    # the first loan finds the pool in pieces and makes it capture anew into one segment; later loans fit in it
+    assert grown[1:] == [0, 0], grown
+
+
+def test_a_lent_tensor_that_outlives_its_block_is_left_alone_and_the_layers_capture_anew():
+    plain, lending = graphed_model(), graphed_model()
+    pool = lending.coat_runtime.graph_pool
+    kept = []
+
+    def borrow(step):
+        if step == 1:
+            with pytest.warns(UserWarning, match="outlived"):
+                with lend(pool) as loan:
+                    kept.append(loan.empty(1 << 20, torch.float32, torch.device("cuda")).fill_(7.0))
+
+    data = batches(4)
+    expected, got = run(plain, data), run(lending, data, borrow)
+    assert got[0] == expected[0]
+    assert bool((kept[0] == 7.0).all())
+    # captured anew at step 2 (the old graphs dropped), replayed at steps 2 and 3
+    assert [c.replays for layer in lending.model.layers for c in layer.coat.graphs.captures.values()] == [2] * 4
+
+
+def test_nothing_is_lent_while_a_backward_is_pending():
+    model = graphed_model()
+    ids = batches(1)[0]
+    train_step(model, ids)
+    loss = model(input_ids=ids, labels=ids).loss  # a replayed forward whose backward has not run
+    with lend(model.coat_runtime.graph_pool) as loan:
+        assert loan is None
+    loss.backward()
+
+
+def ds_engine(tmp_path, model, lending=True):
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 2}, "steps_per_print": 10 ** 6,
+              "optimizer": {"type": "CoatFP8AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+              "coat": {"fp8_activations": True, "cuda_graphs": True}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if not lending:  # DeepSpeed's own step and flatten back
+        del engine.optimizer.step
+        engine.optimizer.flatten = engine.optimizer.flatten.__wrapped__
+    return engine
+
+
+@pytest.fixture
+def single_rank(monkeypatch):
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", "29731")):
+        monkeypatch.setenv(key, value)
+
+
+def test_zero2_steps_borrow_the_graph_pool_with_the_same_bits(tmp_path, single_rank):
+    pytest.importorskip("deepspeed")
+    base = llama()
+    engines = [ds_engine(tmp_path, copy.deepcopy(base), lending) for lending in (False, True)]
+    data = batches(5, seed=3)
+    results = []
+    for engine in engines:
+        losses, growth = [], []
+        for ids in data:
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            before = torch.cuda.memory_reserved()
+            torch.cuda.reset_peak_memory_stats()
+            engine.step()
+            growth.append(torch.cuda.max_memory_reserved() - before)
+            losses.append(loss.item())
+        results.append((losses, [p.detach().clone() for p in engine.module.parameters()], growth))
+    (plain_losses, plain_params, plain_growth), (losses, params, growth) = results
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+    assert captures(engines[1].module) == [1] * 4
+    partition = sum(p.numel() for p in base.parameters()) * 4  # the fp32 gradient partition, in bytes
+    # the first step creates the optimizer state, and its loan finds the pool in pieces (the layers then capture
+    # anew into one segment at step 2): from then on the steps' copies come from the pool
+    assert max(growth[2:]) < partition / 2, (growth, partition)
+    print(json.dumps({"growth_without_loans": plain_growth, "growth_with_loans": growth, "partition": partition}))
