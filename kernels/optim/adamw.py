@@ -15,7 +15,9 @@ weight: its entry keeps the master's low 16 bits, and every step reads and write
 `exp_avg_sq` found in a state entry (DeepSpeed's universal-checkpoint loader writes them) are quantized when the entry
 is next planned.
 
-Engines that hand the optimizer flat tensors holding fragments of several parameters (ZeRO partitions,
+The machinery it shares with CoatFP8Lion and CoatFP8Muon (state entries, options, validation, checkpoints, the
+engines' hooks, the non-finite policy) is coat_kernels.optim.base.CoatFP8Optimizer. Engines that hand the optimizer
+flat tensors holding fragments of several parameters (ZeRO partitions,
 distributed-optimizer shards) say where each fragment comes from by overriding `param_segments`, so that
 quantization groups follow each parameter's own grid and never straddle two parameters.
 
@@ -32,126 +34,57 @@ and then raises FloatingPointError.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from functools import lru_cache
-
 import torch
 
-from . import backends, checkpoint
-from . import dre_reference as reference
+from . import backends, checkpoint, validation
 from . import state as coat_state
-from . import validation
-from .config import DEFAULTS, GROUP_OPTION_NAMES, OPTION_NAMES, OptimizerConfig
+from .base import REMAINDER, CoatFP8Optimizer, coat_config
+from .config import OptimizerConfig
 from .dre_reference import AdamWScalars
-from .grouping import GroupLayout, Segment, build_layout, normalize_segments
 from .master_remainders import join as join_master
 from .master_remainders import split as split_master
 from .validation import StateError
 
-REMAINDER = coat_state.REMAINDER_KEY
-CACHES = ("_layouts", "_launchers", "_plans")  # rebuilt on the next step: left out of pickles and copies
-# what load_state_dict keeps as saved (torch would cast it to the parameter's dtype)
-LOADED_KEYS = coat_state.ENTRY_KEYS + coat_state.MOMENTS + (REMAINDER,)
 
+class CoatFP8AdamW(CoatFP8Optimizer):
+    NAME = "CoatFP8AdamW"
 
-class CoatFP8AdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  config: OptimizerConfig | None = None, **options):
-        coat = {k: options.pop(k) for k in list(options) if k in OPTION_NAMES}
-        for name, value in options.items():
-            if name not in validation.TORCH_ADAMW_DEFAULTS:
-                valid = ", ".join(("lr", "betas", "eps", "weight_decay") + OPTION_NAMES)
-                raise ValueError(f"CoatFP8AdamW got an unknown option {name!r}; valid options: {valid} (in Python "
-                                 "also config=OptimizerConfig(...), which these options override)")
-            if value != validation.TORCH_ADAMW_DEFAULTS[name] and not (name in ("foreach", "fused") and value is False):
-                raise ValueError(f"CoatFP8AdamW does not support {name}={value!r}")
-        if config is not None and not isinstance(config, OptimizerConfig):
-            raise TypeError(f"CoatFP8AdamW: config must be an OptimizerConfig, got {type(config).__name__}; pass "
-                            "the COAT options as keyword arguments (ds_config: in \"params\") or "
-                            "OptimizerConfig(**options)")
-        self.config = (config or DEFAULTS).replace(**coat)
+        config = coat_config(self.NAME, config, options, ("lr", "betas", "eps", "weight_decay"),
+                             validation.TORCH_ADAMW_DEFAULTS)
         validation.check_hyper_parameters(lr, betas, eps, weight_decay)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **self.config.group_options)
-        super().__init__(params, defaults)
-        self._reset_caches()
-        self._skipped: dict[torch.device, torch.Tensor] = {}
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), config)
 
-    def add_param_group(self, param_group: dict) -> None:
-        """torch's add_param_group, refusing a tensor listed twice (in this group or in an earlier one): it would be
-        stepped twice per step."""
-        params = param_group["params"] if isinstance(param_group, dict) and "params" in param_group else []
-        if not isinstance(params, (torch.Tensor, set)):  # torch refuses sets itself
-            params = param_group["params"] = list(params)
-            tensors = [q[1] if isinstance(q, tuple) else q for q in params]
-            validation.check_distinct_tensors(tensors, self.param_groups)
-            for p in tensors:
-                backends.check_device(self.config.backend, p)
-        super().add_param_group(param_group)
+    def moments_of(self, group: dict) -> tuple[str, ...]:
+        return coat_state.MOMENTS
 
-    def _reset_caches(self):
-        self._layouts: dict[torch.Tensor, GroupLayout] = {}
-        self._launchers: dict = {}  # FusedAdamW per list of layouts
-        self._plans: dict[int, _StepPlan] = {}  # per param group (by identity)
+    def _check_group(self, group: dict) -> None:
+        validation.check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
-    def __getstate__(self):
-        """copy.deepcopy and pickle: everything but the caches (rebuilt on the next step); FP8 codes travel as
-        uint8 (torch cannot unpickle FP8 storages)."""
-        return checkpoint.picklable_state(self.__dict__, CACHES)
+    def _group_scalars(self, group: dict, step: float) -> AdamWScalars:
+        beta1, beta2 = group["betas"]
+        return AdamWScalars.make(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step)
 
-    def __setstate__(self, state):
-        # A whole optimizer (unpickled or deep-copied) has its config; torch's load_state_dict passes only the state
-        # and the param groups here, and load_state_dict checks those itself.
-        whole_optimizer = "config" in state
-        super().__setstate__(checkpoint.unpickled_state(state))
-        self._reset_caches()
-        if whole_optimizer:  # every entry against its tensor and param group, values scanned (segments aside)
-            checkpoint.check_entries(self.param_groups, self.state,
-                                     lambda *args: self._check_entry(*args, own_segments=False), self.group_config)
+    def _run_batch(self, group: dict, key: tuple, items: list, cfg: OptimizerConfig) -> None:
+        run_adamw_batch(self, key, items, cfg)
 
-    # ---- the hook for engines --------------------------------------------------------------------------------
-    def param_segments(self, param: torch.Tensor, group_index: int) -> list[Segment] | None:
-        """The parameter runs inside `param` (a tensor of param group `group_index`): a list of
-        (flat_start, length, param_offset), or None when `param` is one whole parameter. Engines that step flat
-        partitions or shards override this; it is asked when a tensor's state is created, and when a state is
-        loaded (a loaded entry's segments must be these)."""
-        return None
+    def _check_saved_group(self, saved: dict, where: str) -> None:
+        validation.check_torch_options(saved, where)  # torch.optim.AdamW options CoatFP8AdamW lacks
 
-    def param_gradient(self, param: torch.Tensor) -> torch.Tensor | None:
-        """The gradient a step applies to `param`: `param.grad`. Engines that keep gradients elsewhere (Megatron's
-        precision-aware optimizer: `decoupled_grad`, which may differ from the parameter's dtype) override this."""
-        return param.grad
+    def set_fp32_moments(self, p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                         step: float | None = None) -> None:
+        """Replace p's moments by these fp32 values (p's numel, any shape; finite, exp_avg_sq >= 0), quantized now
+        on p's groups. Bad values raise StateError and leave the state as it was."""
+        self._set_fp32_moments(p, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, step)
 
-    # ---- public helpers -------------------------------------------------------------------------------------
-    @property
-    def skipped_groups(self) -> int:
-        """Quantization groups left unchanged so far because their gradient was not finite (synchronizes)."""
-        return int(sum(int(c.sum()) for c in self._skipped.values()))
-
-    def state_bytes(self) -> int:
-        """Bytes held by the optimizer state tensors (moments, their metadata, segment tables)."""
-        return sum(coat_state.entry_bytes(s) for s in self.state.values())
-
-    def group_config(self, group: dict) -> OptimizerConfig:
-        """The validated COAT options of one param group (they may be changed in the group's dict between steps)."""
-        # types in the key: True == 1 and 128.0 == 128 must not share a cached (validated) config
-        return _group_config(self.config, tuple((type(group[k]), group[k]) for k in GROUP_OPTION_NAMES))
-
-    def initialize_state(self) -> None:
-        """Create the (zero) FP8 state of every parameter that has none yet, and quantize fp32 moments found in
-        entries (a torch-format checkpoint): what the first step would do, now."""
-        offset = 0
-        for index, group in enumerate(self.param_groups):
-            for position, p in enumerate(group["params"]):
-                if self._needs_new_entry(p, self.state[p]):
-                    self._init_state(p, group, index, _where(p, index, offset + position))
-            offset += len(group["params"])
-
-    def fp32_moments(self, p: torch.Tensor) -> dict:
-        """{"exp_avg", "exp_avg_sq"}: fp32, flat, on p's device (zeros before the first step). `set_fp32_moments`
-        with these values restores the state bit for bit (what checkpoints in fp32 formats rely on)."""
-        self._ensure_entry(p)
-        return coat_state.to_fp32(self.state[p], *self._config_of(p).moment_configs())
+    def torch_adamw_state_dict(self) -> dict:
+        """The state in torch.optim.AdamW's layout: per parameter `step` and fp32 `exp_avg` / `exp_avg_sq` shaped like
+        it; param groups keep their COAT options (torch AdamW carries them along unused). `torch.optim.AdamW(params).
+        load_state_dict(...)` continues the run without COAT; `CoatFP8AdamW.load_state_dict` takes it back, with the
+        groups' options and the FP8 state restored bit for bit on the same tensors. (A torch AdamW state dict loads
+        into CoatFP8AdamW as it is: its moments are quantized with this optimizer's options.)"""
+        return self.torch_format_state_dict()
 
     def fp32_master(self, p: torch.Tensor) -> torch.Tensor:
         """p's fp32 master weight, shaped like p: (p, its remainder) joined for a bf16 p with master remainders,
@@ -171,7 +104,7 @@ class CoatFP8AdamW(torch.optim.Optimizer):
         bad = ~torch.isfinite(master)
         if bad.any():
             raise StateError(f"{self._describe(p)}: cannot set a master weight holding {int(bad.sum())} "
-                                        f"NaN/Inf value(s) (first at element {int(bad.view(-1).nonzero()[0, 0])})")
+                             f"NaN/Inf value(s) (first at element {int(bad.view(-1).nonzero()[0, 0])})")
         with torch.no_grad():
             if not coat_state.needs_remainder(self.config, p.dtype):
                 p.copy_(master)
@@ -181,292 +114,21 @@ class CoatFP8AdamW(torch.optim.Optimizer):
             p.copy_(param)
             self.state[p][REMAINDER].copy_(remainder.view(-1))
 
-    def _needs_new_entry(self, p, state) -> bool:
-        """No FP8 state yet, fp32 moments to quantize, or a missing master remainder."""
-        return not coat_state.is_coat_state(state) or "exp_avg" in state or (
-            REMAINDER not in state and coat_state.needs_remainder(self.config, p.dtype))
 
-    def _ensure_entry(self, p) -> None:
-        if self._needs_new_entry(p, self.state[p]):
-            group_index, group = self._group_of(p)
-            self._init_state(p, group, group_index, self._describe(p))
-
-    def set_fp32_moments(self, p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                         step: float | None = None) -> None:
-        """Replace p's moments by these fp32 values (p's numel, any shape; finite, exp_avg_sq >= 0), quantized now
-        on p's groups. Bad values raise StateError and leave the state as it was."""
-        state = self.state[p]
-        if not coat_state.is_coat_state(state):
-            group_index, group = self._group_of(p)
-            self._init_state(p, group, group_index, self._describe(p))
-        layout = self._layouts.get(p) or self._layout(p, state, self._describe(p))
-        m_cfg, v_cfg = self._config_of(p).moment_configs()
-        try:
-            if step is not None:
-                validation.check_step(step, "the step given")
-            quantized = coat_state.from_fp32(exp_avg.to(p.device), exp_avg_sq.to(p.device), layout, m_cfg, v_cfg,
-                                             self._use_triton(p, layout.group_size))
-        except ValueError as exc:
-            raise StateError(f"{self._describe(p)}: {exc}") from None
-        coat_state.commit(state, quantized)
-        if step is not None:
-            state["step"] = torch.tensor(float(step), dtype=torch.float32)
-
-    # ---- step -----------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        # Every group is checked and planned before anything is written: a step that raises leaves parameters,
-        # moments, steps and the kept plans as they were.
-        prepared = [self._prepare_group(index, group) for index, group in enumerate(self.param_groups)]
-        for group, work in zip(self.param_groups, prepared):
-            if work is not None:
-                self._plans[id(group)] = work[0]
-        before = self.skipped_groups if self.config.nonfinite == "error" else 0
-        for work in prepared:
-            if work is not None:
-                self._run_group(*work)
-        if self.config.nonfinite == "error" and self.skipped_groups > before:
-            raise FloatingPointError(f"{self.skipped_groups - before} quantization groups had NaN/Inf gradients "
-                                     "this step; their parameters and moments were left unchanged")
-        return loss
-
-    def _prepare_group(self, index, group):
-        """(plan, gradients, AdamW scalars per tensor, moment configs) of one group's step, or None without
-        gradients; raises (writing nothing) for bad options, tensors or states."""
-        grads = [self.param_gradient(p) for p in group["params"]]
-        params = [p for p, g in zip(group["params"], grads) if g is not None]
-        if not params:
-            return None
-        grads = [g for g in grads if g is not None]
-        cfg = self.group_config(group)
-        validation.check_hyper_parameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        signature = (tuple(map(id, params)), tuple((g.dtype, g.layout, g.shape) for g in grads), cfg)
-        plan = self._plans.get(id(group))
-        if plan is None or plan.signature != signature or not all(
-                self.state[p] is st and not self._needs_new_entry(p, st) and self._layouts.get(p) is layout
-                for p, st, layout in zip(params, plan.states, plan.layouts)):
-            plan = self._plan(index, group, params, signature, cfg)
-        for i, (p, st, update) in enumerate(zip(params, plan.states, plan.updates)):
-            # state tensors may have been replaced since the plan (offloading engines swap them)
-            if update is None and coat_state.stored_tensors(st) != plan.tensors[i]:
-                validation.check_tensors(st, plan.layouts[i], cfg, plan.wheres[i], p.device)
-                if plan.kernel_keys[i][-1]:
-                    validation.check_remainder(st.get(REMAINDER), p.numel(), plan.wheres[i], p.device)
-                plan.tensors[i] = coat_state.stored_tensors(st)
-        beta1, beta2 = group["betas"]
-        scalars_by_step: dict[float, AdamWScalars] = {}
-        scalars = []
-        for st, update, where in zip(plan.states, plan.updates, plan.wheres):
-            # a new entry made from fp32 moments or completed by a remainder keeps the entry's own step
-            count = validation.step_count((update if update is not None and "step" in update else st).get("step"),
-                                          where)
-            step = reference.f32(count + 1.0)
-            if step == math.inf:
-                raise StateError(f"{where}: step {count:g} is beyond fp32's range")
-            if step not in scalars_by_step:
-                scalars_by_step[step] = AdamWScalars.make(group["lr"], beta1, beta2, group["eps"],
-                                                          group["weight_decay"], step)
-            scalars.append(scalars_by_step[step])
-        return plan, grads, scalars, cfg.moment_configs()
-
-    def _run_group(self, plan, grads, scalars, moment_configs):
-        m_cfg, v_cfg = moment_configs
-        for i, (st, update) in enumerate(zip(plan.states, plan.updates)):
-            if update is not None:
-                coat_state.commit(st, update)
-                self._layouts[plan.params[i]] = plan.layouts[i]
-                plan.updates[i] = None
-            st["step"] += 1
-        by_kernel: dict = {}
-        for p, grad, st, layout, key, h in zip(plan.params, grads, plan.states, plan.layouts, plan.kernel_keys,
-                                               scalars):
-            if not grad.is_contiguous():
-                grad = grad.contiguous()
-            by_kernel.setdefault(key if key[0] else key + (h,), []).append((p, grad, st, layout, h))
-        for (use_triton, device, _, _, _, remainder, *_), items in by_kernel.items():
-            if use_triton:
-                backends.launch_triton(self._launchers, device, items, m_cfg, v_cfg, self._counter(device),
-                                       remainder)
-            elif device.type == "cpu" and self.config.backend == "auto":
-                self._counter(device).add_(backends.run_cpu(items, m_cfg, v_cfg, remainder))
-            else:
-                self._counter(device).add_(backends.run_reference(items, m_cfg, v_cfg, remainder))
-
-    def _plan(self, index, group, params, signature, cfg) -> "_StepPlan":
-        """Checks and per-tensor facts of a group's step, kept while the params with gradients, their gradients'
-        dtypes and shapes, the group's COAT options and the states stay the same (a step then only walks lists and
-        checks the state tensors' shapes). A tensor without an FP8 state yet gets its new entry in `updates`, stored
-        when the step runs."""
-        positions = {id(q): i for i, q in enumerate(group["params"])}
-        offset = sum(len(g["params"]) for g in self.param_groups[:index])
-        plan = _StepPlan(signature, params, [], [], [], [], [], [])
-        for p in params:
-            grad = self.param_gradient(p)
-            validation.check_param_and_grad(p, grad)
-            where = _where(p, index, offset + positions[id(p)])
-            state = self.state[p]
-            remainder = coat_state.needs_remainder(self.config, p.dtype)
-            if not self._needs_new_entry(p, state):
-                layout, update = self._layout(p, state, where), None
-                validation.check_state_fits(p, state, layout, cfg)
-                validation.check_tensors(state, layout, cfg, where, p.device)
-                if remainder:
-                    validation.check_remainder(state[REMAINDER], p.numel(), where, p.device)
-                elif REMAINDER in state:
-                    validation.validate_entry(state, p.numel(), cfg, where, scan=False, param_dtype=p.dtype)
-            else:
-                update, layout = self._new_entry(p, state, cfg, index, where)
-            plan.tensors.append(coat_state.stored_tensors(state if update is None else {**state, **update}))
-            plan.states.append(state)
-            plan.layouts.append(layout)
-            plan.updates.append(update)
-            plan.wheres.append(where)
-            plan.kernel_keys.append((self._use_triton(p, layout.group_size), p.device, p.dtype, grad.dtype,
-                                     layout.group_size, remainder))
-        return plan
-
-    def _use_triton(self, p, group_size: int) -> bool:
-        return backends.use_triton(self.config.backend, p, group_size)
-
-    def _counter(self, device):
-        if device not in self._skipped:
-            self._skipped[device] = torch.zeros(1, dtype=torch.int32, device=device)
-        return self._skipped[device]
-
-    # ---- state ------------------------------------------------------------------------------------------------
-    def _config_of(self, p) -> OptimizerConfig:
-        """The COAT options of p's param group; for a tensor with a state outside param_groups (ZeRO-3 swaps its
-        sub-group tensors in only while stepping) the options all groups share."""
-        try:
-            return self.group_config(self._group_of(p)[1])
-        except KeyError:
-            configs = {self.group_config(group) for group in self.param_groups}
-            if len(configs) != 1:
-                raise KeyError("a state tensor outside param_groups, and the groups' COAT options differ") from None
-            return configs.pop()
-
-    def _group_of(self, p):
-        for index, group in enumerate(self.param_groups):
-            if any(p is q for q in group["params"]):
-                return index, group
-        raise KeyError("parameter is not in this optimizer")
-
-    def _describe(self, p) -> str:
-        offset = 0
-        for index, group in enumerate(self.param_groups):
-            for position, q in enumerate(group["params"]):
-                if q is p:
-                    return _where(p, index, offset + position)
-            offset += len(group["params"])
-        return f"CoatFP8AdamW state of a tensor of shape {tuple(p.shape)} outside the param groups"
-
-    def _init_state(self, p, group, group_index, where):
-        """Store p's entry as the next step would make it (see _new_entry)."""
-        state = self.state[p]
-        update, layout = self._new_entry(p, state, self.group_config(group), group_index, where)
-        coat_state.commit(state, update)
-        self._layouts[p] = layout
-
-    def _new_entry(self, p, state, cfg, group_index, where) -> tuple[dict, GroupLayout]:
-        """(what to store in p's entry, its layout), computed without changing the entry: a fresh zero state on p's
-        groups (keeping the step) where there is no FP8 state, and codes quantized from fp32 moments found in the
-        entry (they replace the codes beside them)."""
-        validation.validate_entry(state, p.numel(), cfg, where, scan=False, param_dtype=p.dtype)
-        m_cfg, v_cfg = cfg.moment_configs()
-        if coat_state.is_coat_state(state):
-            layout, update = self._layout(p, state, where), {}
-            validation.check_state_fits(p, state, layout, cfg)
-        else:
-            segments = state["segments"] if "segments" in state else self.param_segments(p, group_index)
-            segments = normalize_segments(segments, p.numel())
-            layout = build_layout(segments, p.numel(), cfg.group_size)
-            update = coat_state.zero_state(p.numel(), segments, layout, m_cfg, v_cfg, p.device,
-                                           step=float(state.get("step", 0.0)))
-        if "exp_avg" in state:
-            try:
-                update.update(coat_state.from_fp32(state["exp_avg"].to(p.device), state["exp_avg_sq"].to(p.device),
-                                                   layout, m_cfg, v_cfg, self._use_triton(p, layout.group_size)))
-            except ValueError as exc:
-                raise StateError(f"{where}: {exc}") from None
-        if coat_state.needs_remainder(self.config, p.dtype) and REMAINDER not in state:
-            update[REMAINDER] = coat_state.zero_remainder(p.numel(), p.device)
-        return update, layout
-
-    def _layout(self, p, state, where):
-        layout = self._layouts.get(p)
-        if layout is None:
-            layout = self._layouts[p] = validation.entry_layout(state, p.numel(), where)
-        return layout
-
-    def torch_adamw_state_dict(self) -> dict:
-        """The state in torch.optim.AdamW's layout: per parameter `step` and fp32 `exp_avg` / `exp_avg_sq` shaped like
-        it; param groups keep their COAT options (torch AdamW carries them along unused). `torch.optim.AdamW(params).
-        load_state_dict(...)` continues the run without COAT; `CoatFP8AdamW.load_state_dict` takes it back, with the
-        groups' options and the FP8 state restored bit for bit on the same tensors. (A torch AdamW state dict loads
-        into CoatFP8AdamW as it is: its moments are quantized with this optimizer's options.)"""
-        return checkpoint.torch_format(super().state_dict(), self.param_groups, self.fp32_moments)
-
-    def load_state_dict(self, state_dict):
-        """torch's load_state_dict, after every entry has been checked against its parameter, layout and param group
-        (coat_kernels.optim.validation.validate_entry, values scanned): a bad entry raises StateError and leaves the
-        optimizer as it was. FP8 codes stay FP8 and metadata fp32 (torch would cast them to the parameter's dtype).
-        lr, betas and the other torch hyper-parameters are the checkpoint's, as in torch. A saved group holding FP8
-        moments must have this optimizer's COAT options (group size, formats, expansion): other ones raise StateError
-        naming them. A group holding fp32 moments (torch's layout) restores its saved COAT options; one saved
-        without them (a torch.optim.AdamW run) gets this optimizer's."""
-        id_to_param = checkpoint.check_state_dict(state_dict, self.param_groups, self._loaded_group_config,
-                                                  self._check_entry)
-        checkpoint.check_kept_options(state_dict, self.param_groups, GROUP_OPTION_NAMES)
-        checkpoint.load_keeping_dtypes(self, super().load_state_dict, state_dict, id_to_param, LOADED_KEYS)
-        for group in self.param_groups:  # saved groups from older runs may lack options: this run's defaults
-            for key, value in self.config.group_options.items():
-                group.setdefault(key, value)
-        self._reset_caches()
-
-    def _loaded_group_config(self, saved: dict, where: str) -> OptimizerConfig:
-        """The COAT options a saved param group's entries are checked against (this optimizer's where it has none);
-        torch.optim.AdamW options CoatFP8AdamW lacks are refused."""
-        validation.check_torch_options(saved, where)
-        try:
-            return self.config.replace(**{k: saved[k] for k in GROUP_OPTION_NAMES if k in saved})
-        except (TypeError, ValueError) as exc:
-            raise StateError(f"{where}: {exc}") from None
-
-    def _check_entry(self, entry, p, group_index: int, position: int, cfg, own_segments: bool = True) -> None:
-        """validate_entry, values scanned; with `own_segments`, an entry's segments must be those `param_segments`
-        gives (a loaded state: an unpickled optimizer is no longer linked to the engine that made them)."""
-        segments = None
-        if own_segments and isinstance(entry, dict) and "segments" in entry:
-            segments = normalize_segments(self.param_segments(p, group_index), p.numel())
-        validation.validate_entry(entry, p.numel(), cfg, _where(p, group_index, position), segments=segments,
-                                  param_dtype=p.dtype)
+def run_adamw_batch(optimizer: CoatFP8Optimizer, key: tuple, items: list, cfg: OptimizerConfig) -> None:
+    """The fused AdamW step over `items` (see CoatFP8Optimizer._run_batch) on the backend the key names: the Triton
+    kernel, the C++ step (CPU tensors under backend="auto") or the torch reference. CoatFP8Muon steps its AdamW
+    param groups through it too."""
+    use_triton, device, _, _, _, remainder, *_ = key
+    m_cfg, v_cfg = cfg.moment_configs()
+    counter = optimizer._counter(device)
+    if use_triton:
+        backends.launch_triton(optimizer._launchers, device, items, m_cfg, v_cfg, counter, remainder)
+    elif device.type == "cpu" and optimizer.config.backend == "auto":
+        counter.add_(backends.run_cpu(items, m_cfg, v_cfg, remainder))
+    else:
+        counter.add_(backends.run_reference(items, m_cfg, v_cfg, remainder))
 
 
 # pickles that name the FP8 wrapper by this module's name unpickle through it
 _PicklableCodes = checkpoint.PicklableCodes
-
-
-@dataclass
-class _StepPlan:
-    signature: tuple
-    params: list
-    states: list  # the live entries
-    layouts: list
-    updates: list  # per tensor: None, or what to store in its entry before its first step (a new FP8 state)
-    wheres: list  # per tensor: how errors name it
-    tensors: list  # per tensor: (dtype, shape, device) of its codes and metadata, as checked
-    kernel_keys: list  # (use Triton, device, param dtype, grad dtype, group size) per tensor
-
-
-def _where(p, group_index: int, position: int) -> str:
-    """How errors name a parameter: its index in the state dict and its shape."""
-    return f"CoatFP8AdamW state of parameter {position} (shape {tuple(p.shape)}, param group {group_index})"
-
-
-@lru_cache(maxsize=256)
-def _group_config(base: OptimizerConfig, values: tuple) -> OptimizerConfig:
-    return base.replace(**{name: value for name, (_, value) in zip(GROUP_OPTION_NAMES, values)})

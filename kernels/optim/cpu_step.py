@@ -2,16 +2,17 @@
 first use into its own library, bit-exact with the torch references; both include `dre_cpu.h` (the shared encodings).
 
 `fused_adamw_step` has `dre_reference.fused_adamw_step`'s signature and results (the same bits: parameters, codes,
-metadata, skipped groups), `fused_lion_step` those of `momentum_reference.fused_lion_step`. Each library is built with the system C++ compiler (`-O3 -march=native -ffp-contract=off
--fopenmp`: vectorized for this CPU, no fused multiply-add but the explicit ones; on CPUs with AVX-512 VBMI the source
-selects its intrinsics path, elsewhere its portable one) and loaded through ctypes; a build takes a few seconds, once
-per cache folder and CPU. The source ships inside the package (package data), so installed wheels build it too.
+metadata, skipped groups), `fused_lion_step` those of `lion_reference.fused_lion_step`. Each library is built with
+the system C++ compiler (`-O3 -march=native -ffp-contract=off -fopenmp`: vectorized for this CPU, no fused
+multiply-add but the explicit ones; on CPUs with AVX-512 VBMI the AdamW source selects its intrinsics path, elsewhere
+its portable one) and loaded through ctypes; a build takes a few seconds, once per cache folder and CPU. The sources
+ship inside the package (package data), so installed wheels build them too.
 
-Cache: one file per source (with the header), flags, compiler version and target CPU (what `-march=native` resolves to on this host,
-as the compiler reports it), so hosts with different CPUs that share a home directory never load each other's
-library. Its folder is resolved once per process: `$COAT_FP8_CACHE_DIR` when set (it must be writable), else
-`$XDG_CACHE_HOME/coat_fp8` or `~/.cache/coat_fp8`, else, when that cannot be written, a private per-user folder in
-the system temporary directory (`coat_fp8-<uid>`, mode 700). Without a compiler, with a failed build or without a
+Cache: one file per source (with the header), flags, compiler version and target CPU (what `-march=native` resolves
+to on this host, as the compiler reports it), so hosts with different CPUs that share a home directory never load
+each other's library. Its folder is resolved once per process: `$COAT_FP8_CACHE_DIR` when set (it must be writable),
+else `$XDG_CACHE_HOME/coat_fp8` or `~/.cache/coat_fp8`, else, when that cannot be written, a private per-user folder
+in the system temporary directory (`coat_fp8-<uid>`, mode 700). Without a compiler, with a failed build or without a
 writable cache folder, the step falls back to the torch reference, with one warning that names the reason.
 Threads: torch.get_num_threads().
 """

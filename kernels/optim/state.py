@@ -1,5 +1,5 @@
-"""CoatFP8AdamW's per-parameter state entry: how it is made, stored, converted to and from fp32 moments,
-recognised and counted.
+"""The per-parameter state entry of the COAT FP8 optimizers (CoatFP8AdamW, CoatFP8Lion, CoatFP8Muon): how it is made,
+stored, converted to and from fp32 moments, recognised and counted.
 
 An entry (one per parameter or flat partition) holds:
   step             fp32 0-dim tensor (steps taken, as torch.optim.AdamW keeps it)
@@ -7,7 +7,8 @@ An entry (one per parameter or flat partition) holds:
   group_size       int
   exp_avg_q        FP8 codes [numel]          exp_avg_meta     fp32 [3, n_groups] (k, log2 center, log2 scale*Q)
   exp_avg_sq_q     FP8 codes [numel]          exp_avg_sq_meta  fp32 [3, n_groups]
-and, for a bf16 tensor of an optimizer with master_remainders, also
+An optimizer with one momentum (Lion, Muon) keeps exp_avg alone (`MOMENTUM`): its entry has no exp_avg_sq keys.
+And, for a bf16 tensor of an optimizer with master_remainders, also
   master_remainder int16 [numel]: the low 16 bits of the fp32 master (coat_kernels.optim.master_remainders)
 The entry describes itself (segments and group size give the layout), so every function here works offline on a
 saved entry too. Every adapter (DeepSpeed, the universal-checkpoint tool, Megatron) goes through these functions.
@@ -33,14 +34,25 @@ from .grouping import GroupLayout, build_layout
 
 CODE_KEYS = ("exp_avg_q", "exp_avg_sq_q")
 META_KEYS = ("exp_avg_meta", "exp_avg_sq_meta")
-MOMENTS = ("exp_avg", "exp_avg_sq")
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's two moments
+MOMENTUM = ("exp_avg",)  # the one momentum of Lion and Muon
 ENTRY_KEYS = ("step", "segments", "group_size") + CODE_KEYS + META_KEYS
 REMAINDER_KEY = "master_remainder"
 
 
 def is_coat_state(entry) -> bool:
-    """True for a CoatFP8AdamW entry (live or saved): FP8 codes with their segments."""
+    """True for a COAT FP8 entry (live or saved): FP8 codes with their segments."""
     return isinstance(entry, dict) and "exp_avg_q" in entry and "segments" in entry
+
+
+def entry_keys(moments: tuple[str, ...] = MOMENTS) -> tuple[str, ...]:
+    """The keys of an entry holding `moments` in FP8."""
+    return ("step", "segments", "group_size") + tuple(m + "_q" for m in moments) + tuple(m + "_meta" for m in moments)
+
+
+def moment_configs(cfg, moments: tuple[str, ...] = MOMENTS) -> dict[str, DREConfig]:
+    """{moment: its quantizer} under the options `cfg` (an OptimizerConfig): exp_avg's and exp_avg_sq's."""
+    return {name: c for name, c in zip(MOMENTS, cfg.moment_configs()) if name in moments}
 
 
 def needs_remainder(cfg, param_dtype) -> bool:
@@ -66,22 +78,25 @@ def zero_meta(num_groups: int, device) -> torch.Tensor:
 
 def zero_state(numel: int, segments: torch.Tensor, layout: GroupLayout, m_cfg: DREConfig, v_cfg: DREConfig,
                device, step: float = 0.0) -> dict:
-    """Zero moments: codes 0 with k = 1 (they dequantize to exact zeros)."""
-    return {
-        "step": torch.tensor(float(step), dtype=torch.float32),
-        "segments": segments.clone(),
-        "group_size": layout.group_size,
-        "exp_avg_q": torch.zeros(numel, dtype=m_cfg.fmt.dtype, device=device),
-        "exp_avg_meta": zero_meta(layout.num_groups, device),
-        "exp_avg_sq_q": torch.zeros(numel, dtype=v_cfg.fmt.dtype, device=device),
-        "exp_avg_sq_meta": zero_meta(layout.num_groups, device),
-    }
+    """Zero AdamW moments: codes 0 with k = 1 (they dequantize to exact zeros)."""
+    return zero_entry(numel, segments, layout, {"exp_avg": m_cfg, "exp_avg_sq": v_cfg}, device, step)
+
+
+def zero_entry(numel: int, segments: torch.Tensor, layout: GroupLayout, configs: dict[str, DREConfig], device,
+               step: float = 0.0) -> dict:
+    """An entry whose moments (the keys of `configs`, with their quantizers) are zero: codes 0 with k = 1."""
+    entry = {"step": torch.tensor(float(step), dtype=torch.float32), "segments": segments.clone(),
+             "group_size": layout.group_size}
+    for moment, cfg in configs.items():
+        entry[moment + "_q"] = torch.zeros(numel, dtype=cfg.fmt.dtype, device=device)
+        entry[moment + "_meta"] = zero_meta(layout.num_groups, device)
+    return entry
 
 
 def commit(state: dict, update: dict) -> None:
     """Store a new or re-quantized FP8 state in an entry (in place: engines may hold the entry), dropping the fp32
     moments it was made from."""
-    for key in MOMENTS:
+    for key in MOMENTS:  # those of every optimizer: MOMENTUM is exp_avg
         state.pop(key, None)
     state.update(update)
 
@@ -89,7 +104,9 @@ def commit(state: dict, update: dict) -> None:
 def stored_tensors(state: dict):
     """(dtype, shape, device) of an entry's codes and metadata: compared on every step, O(1)."""
     try:
-        tensors = [state[k] for k in CODE_KEYS + META_KEYS]
+        if "exp_avg_q" not in state:
+            return None
+        tensors = [state[k] for k in CODE_KEYS + META_KEYS if k in state]
         if REMAINDER_KEY in state:
             tensors.append(state[REMAINDER_KEY])
         return tuple((t.dtype, t.shape, t.device) for t in tensors)
@@ -121,18 +138,28 @@ def from_fp32(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, layout: GroupLayo
         raise ValueError(f"cannot quantize a second moment holding {int(negative.sum())} negative values (first at "
                          f"element {int(negative.reshape(-1).nonzero()[0, 0])}): the checkpoint or the values given "
                          "are corrupt")
+    return quantize_moments({"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, layout,
+                            {"exp_avg": m_cfg, "exp_avg_sq": v_cfg}, use_kernel)
+
+
+def quantize_moments(values: dict[str, torch.Tensor], layout: GroupLayout, configs: dict[str, DREConfig],
+                     use_kernel: bool = False) -> dict:
+    """The code and metadata tensors of fp32 moments {moment: values} (finite) with their quantizers `configs`."""
     out = {}
-    for key, value, cfg in (("exp_avg", exp_avg, m_cfg), ("exp_avg_sq", exp_avg_sq, v_cfg)):
-        out[key + "_q"], out[key + "_meta"] = quantize_moment(value, layout, cfg, use_kernel)
+    for key, value in values.items():
+        out[key + "_q"], out[key + "_meta"] = quantize_moment(value, layout, configs[key], use_kernel)
     return out
 
 
-def to_fp32(entry: dict, m_cfg: DREConfig, v_cfg: DREConfig) -> dict:
-    """fp32 {"exp_avg", "exp_avg_sq"} (flat) of one live or saved entry quantized with these configs, such that
-    `from_fp32` on the same layout gives the entry's codes and metadata back (coat_kernels.optim.exact_export)."""
+def to_fp32(entry: dict, m_cfg: DREConfig, v_cfg: DREConfig | None = None) -> dict:
+    """fp32 {"exp_avg", "exp_avg_sq"} (flat; exp_avg alone for an entry of one momentum) of one live or saved entry
+    quantized with these configs, such that `from_fp32` (`quantize_moments`) on the same layout gives the entry's
+    codes and metadata back (coat_kernels.optim.exact_export)."""
     layout = layout_of(entry)
     out = {}
     for key, cfg in zip(MOMENTS, (m_cfg, v_cfg)):
+        if key + "_q" not in entry:
+            continue
         codes, meta = entry[key + "_q"], entry[key + "_meta"]
         out[key], failed = exact_export.export(codes, meta.to(codes.device), layout, cfg)
         if failed:

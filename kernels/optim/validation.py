@@ -1,4 +1,6 @@
-"""Checks of CoatFP8AdamW's state entries (format: coat_kernels.optim.state) against the tensors they belong to.
+"""Checks of the COAT FP8 optimizers' state entries (format: coat_kernels.optim.state) against the tensors they belong
+to. `moments` names the moments an entry holds: AdamW's two (the default, state.MOMENTS) or one momentum
+(state.MOMENTUM: Lion, Muon).
 
 `validate_entry` checks an entry against its tensor and its param group's options before it is stored or stepped
 (`StateError` names the tensor, the key and what is wrong); its three parts, `entry_layout` (segments and group
@@ -18,7 +20,7 @@ import torch
 from . import dre_reference as reference
 from . import master_remainders
 from .grouping import GroupLayout, build_layout, normalize_segments
-from .state import ENTRY_KEYS, MOMENTS, REMAINDER_KEY, is_coat_state, needs_remainder
+from .state import ENTRY_KEYS, MOMENTS, REMAINDER_KEY, entry_keys, is_coat_state, moment_configs, needs_remainder
 
 LOG2_LIMIT = 160.0  # |log2| of a group's decoded extremes: fp32 values lie within 2^-149 .. 2^128
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -31,7 +33,7 @@ class StateError(ValueError):
 
 
 def validate_entry(entry, numel: int, cfg, where: str, segments=None, scan: bool = True,
-                   param_dtype=None) -> GroupLayout | None:
+                   param_dtype=None, moments: tuple[str, ...] = MOMENTS) -> GroupLayout | None:
     """Check one state entry against the tensor it belongs to (`numel` elements) and its param group's COAT options
     (`cfg`, an OptimizerConfig): every key, dtype and shape; segments (equal to `segments`, the runs this optimizer
     gives the tensor, when given) and group size; with `scan`, every value too (`scan_values`). Raises StateError
@@ -45,17 +47,17 @@ def validate_entry(entry, numel: int, cfg, where: str, segments=None, scan: bool
     one is accepted (its master starts at the bf16 parameter, as a fresh state does)."""
     if not isinstance(entry, dict):
         raise StateError(f"{where}: a state entry must be a dict, got {type(entry).__name__}")
-    _check_keys(entry, where)
+    _check_keys(entry, where, moments)
     if "step" in entry:
         check_step(entry["step"], where)
     layout = None
     if is_coat_state(entry):
         layout = entry_layout(entry, numel, where, segments)
-        check_tensors(entry, layout, cfg, where)
+        check_tensors(entry, layout, cfg, where, moments=moments)
     elif "segments" in entry:
         entry_layout({"group_size": cfg.group_size, **entry}, numel, where, segments)
-    if "exp_avg" in entry or "exp_avg_sq" in entry:
-        _check_fp32_moments(entry, numel, where)
+    if any(m in entry for m in moments):
+        _check_fp32_moments(entry, numel, where, moments)
     if REMAINDER_KEY in entry:
         check_remainder(entry[REMAINDER_KEY], numel, where)
         if param_dtype is not None and not needs_remainder(cfg, param_dtype):
@@ -65,7 +67,7 @@ def validate_entry(entry, numel: int, cfg, where: str, segments=None, scan: bool
             raise StateError(f"{where}: the entry holds {REMAINDER_KEY} (saved with master_remainders on a bf16 "
                              f"tensor) but {reason}")
     if scan:
-        scan_values(entry, layout, cfg, where)
+        scan_values(entry, layout, cfg, where, moments)
     return layout
 
 
@@ -93,15 +95,15 @@ def entry_layout(entry: dict, numel: int, where: str, segments=None) -> GroupLay
     return layout
 
 
-def check_tensors(entry: dict, layout: GroupLayout, cfg, where: str, device=None) -> None:
+def check_tensors(entry: dict, layout: GroupLayout, cfg, where: str, device=None,
+                  moments: tuple[str, ...] = MOMENTS) -> None:
     """O(1): the FP8 codes and metadata of a CoatFP8AdamW entry have the dtypes of the group's formats and the shapes
     of `layout` (codes [numel], metadata fp32 [3, n_groups]), on `device` when given; the step is a finite count."""
     check_step(entry.get("step"), where)
     if layout.group_size != cfg.group_size:
         raise StateError(f"{where}: the state was quantized in groups of {layout.group_size}, the param group's "
                          f"group_size is {cfg.group_size}")
-    m_cfg, v_cfg = cfg.moment_configs()
-    for moment, fmt_cfg in zip(MOMENTS, (m_cfg, v_cfg)):
+    for moment, fmt_cfg in moment_configs(cfg, moments).items():
         codes, meta = entry.get(moment + "_q"), entry.get(moment + "_meta")
         if not isinstance(codes, torch.Tensor):
             raise StateError(f"{where}: {moment}_q must be a tensor, got {type(codes).__name__}")
@@ -170,21 +172,22 @@ def step_count(step, where: str) -> float:
     return value
 
 
-def scan_values(entry: dict, layout: GroupLayout | None, cfg, where: str) -> None:
+def scan_values(entry: dict, layout: GroupLayout | None, cfg, where: str, moments: tuple[str, ...] = MOMENTS) -> None:
     """O(numel): FP8 codes that are not NaN, second-moment codes that are not negative, metadata that is finite with
     k in [1 / expand_min, k_max] and decoded extremes within fp32's range; fp32 moments that are finite, second
     moments not negative. Run once per load."""
     if layout is not None:
-        m_cfg, v_cfg = cfg.moment_configs()
-        for moment, fmt_cfg in zip(MOMENTS, (m_cfg, v_cfg)):
+        for moment, fmt_cfg in moment_configs(cfg, moments).items():
             _scan_codes(entry[moment + "_q"], moment, fmt_cfg.fmt, where)
             _scan_meta(entry[moment + "_meta"], moment, fmt_cfg, layout, where)
-    for moment in MOMENTS:
+    for moment in moments:
         if moment in entry:
             _scan_fp32(entry[moment], moment, where)
 
 
-def _check_keys(entry: dict, where: str) -> None:
+def _check_keys(entry: dict, where: str, moments: tuple[str, ...] = MOMENTS) -> None:
+    if moments != MOMENTS:
+        return _check_momentum_keys(entry, where, moments)
     keys = set(entry)
     if "max_exp_avg_sq" in keys:
         raise StateError(f"{where}: the entry holds max_exp_avg_sq, the state of AdamW with amsgrad=True; "
@@ -206,8 +209,23 @@ def _check_keys(entry: dict, where: str) -> None:
         raise StateError(f"{where}: the state entry holds {sorted(moments)} but needs both exp_avg and exp_avg_sq")
 
 
-def _check_fp32_moments(entry: dict, numel: int, where: str) -> None:
-    for moment in MOMENTS:
+def _check_momentum_keys(entry: dict, where: str, moments: tuple[str, ...]) -> None:
+    """_check_keys for an entry of one momentum (Lion, Muon): its FP8 keys, or `step` and the fp32 momentum."""
+    keys = set(entry) - {REMAINDER_KEY}
+    fp8_keys = set(entry_keys(moments))
+    unknown = sorted(keys - fp8_keys - set(moments), key=str)
+    if unknown:
+        raise StateError(f"{where}: unknown state key(s) {unknown}: not a state of this optimizer (its keys: "
+                         f"{', '.join(sorted(fp8_keys))}; or step with the fp32 {', '.join(moments)})")
+    if keys <= {"segments"}:
+        return
+    missing = sorted((fp8_keys if keys & (fp8_keys - {"step", "segments"}) else {"step", *moments}) - keys)
+    if missing:
+        raise StateError(f"{where}: the state entry lacks {missing} (it holds {sorted(keys)})")
+
+
+def _check_fp32_moments(entry: dict, numel: int, where: str, moments: tuple[str, ...] = MOMENTS) -> None:
+    for moment in moments:
         value = entry[moment]
         if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.element_size() < 2:
             raise StateError(f"{where}: {moment} must be a floating-point tensor (fp32 moments of torch AdamW), got "
@@ -281,13 +299,13 @@ def _short(rows: list) -> str:
     return str(rows) if len(rows) <= 4 else f"{rows[:4]}... ({len(rows)} runs)"
 
 
-def check_state_fits(p, state, layout, cfg):
+def check_state_fits(p, state, layout, cfg, moments: tuple[str, ...] = MOMENTS):
     """The state must describe this very tensor with this group's options: never step part of a tensor."""
     if layout.numel != p.numel():
         raise RuntimeError(f"CoatFP8AdamW: a state of {layout.numel} elements belongs to a tensor of {p.numel()} "
                            f"elements (shape {tuple(p.shape)}): the parameter was resized")
-    m_cfg, v_cfg = cfg.moment_configs()
-    for key, fmt_cfg in (("exp_avg_q", m_cfg), ("exp_avg_sq_q", v_cfg)):
+    for moment, fmt_cfg in moment_configs(cfg, moments).items():
+        key = moment + "_q"
         if state[key].dtype != fmt_cfg.fmt.dtype:
             raise RuntimeError(f"CoatFP8AdamW: {key} is stored as {state[key].dtype} but the group asks for "
                                f"{fmt_cfg.fmt.name}; change formats only with fresh state (or convert the moments "
@@ -328,9 +346,9 @@ def check_torch_options(saved_group: dict, where: str) -> None:
             raise StateError(f"{where} has {name}={value!r}, which CoatFP8AdamW does not support{hint}")
 
 
-def check_hyper_parameters(lr, betas, eps, weight_decay):
+def check_hyper_parameters(lr, betas, eps, weight_decay, optimizer: str = "CoatFP8AdamW"):
     """TypeError or ValueError naming the hyper-parameter that is not a finite number in its range."""
-    where = "CoatFP8AdamW hyper-parameters: "
+    where = f"{optimizer} hyper-parameters: "
     if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2 or any(
             isinstance(b, bool) or not isinstance(b, numbers.Real) for b in betas):
         raise TypeError(f"{where}betas must be a pair of numbers like (0.9, 0.999), got {betas!r}")
