@@ -50,9 +50,7 @@ def train(argv):
                       corpus=data.meta, train=train_curve, val=val_curve, seconds=time.time() - start,
                       device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                       result=asdict(result) if result is not None else None)
-        with open(path + ".tmp", "w") as f:
-            json.dump(record, f)
-        os.replace(path + ".tmp", path)
+        write_record(path, record)
 
     model, optimizer = make_arm(args.arm, base, args, device)
     del base
@@ -62,6 +60,13 @@ def train(argv):
     save(result.train, result.val, result)
     print(f"{args.arm} seed {args.seed}: final validation loss {result.val[-1][1]:.4f}, "
           f"{result.tokens_per_s:,.0f} tokens/s -> {path}", flush=True)
+
+
+def write_record(path, record):
+    """Write a run's record as JSON, atomically: a report reading it meanwhile sees the old or the new one."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
 
 
 def report(out):

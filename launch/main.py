@@ -37,6 +37,9 @@ SIZES = {  # model and run defaults
     # the loss-parity model (launch/loss_parity.py): about 150M parameters, ~2.5 epochs of the corpus in 2,000 steps
     "parity": dict(hidden=1024, layers=12, heads=16, kv_heads=4, ffn=2816, vocab=8192, seq=512, batch=8, steps=2000,
                    lr=6e-4, eval_every=100, eval_batches=32),
+    # TinyLlama-1.1B's shape with the corpus vocabulary (1.0B parameters): launch/optimizer_parity.py's larger size
+    "1b": dict(hidden=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=8192, seq=1024, batch=8, steps=500,
+               lr=3e-4, eval_every=50, eval_batches=16),
 }
 
 
