@@ -4,8 +4,8 @@ state, and the quantizers.
 Modules: `config` (OptimizerConfig), `base` (CoatFP8Optimizer: what the three share), `adamw` (CoatFP8AdamW: its step),
 `lion` (CoatFP8Lion), `muon` (CoatFP8Muon, muon_param_groups), `lion_reference` / `lion_triton` / `cpu_lion.cpp`
 (Lion's fused step), `unquantized` (the fp32 / bf16 reference arms of Lion and Muon), `state` (the state entry: zero,
-from/to fp32, report), `validation` (checks of entries against their tensors), `checkpoint` (state dicts, torch.optim's fp32
-layout, pickling), `backends` (which implementation runs a step), `grouping` (segments -> quantization groups),
+from/to fp32, report), `validation` (checks of entries against their tensors), `checkpoint` (state dicts, torch.optim's
+fp32 layout, pickling), `backends` (which implementation runs a step), `grouping` (segments -> quantization groups),
 `dre_reference` (torch reference of Dynamic Range Expansion and of the fused step), `dre_triton` (the Triton/Gluon
 kernels, bit-identical to the reference).
 """
