@@ -17,7 +17,7 @@ import torch
 
 def adamw_bf16_moments_step(p, g, exp_avg, exp_avg_sq, lr, step, beta1: float, beta2: float, eps: float,
                             weight_decay: float):
-    """One AdamW step of fp32 p with bf16 moments, in place. lr and step: fp32 0-dim tensors (on the CPU or p's device)."""
+    """One AdamW step of fp32 p with bf16 moments, in place. lr, step: fp32 0-dim tensors (CPU or p's device)."""
     m = exp_avg.float().lerp(g.float(), 1 - beta1)
     v = exp_avg_sq.float() * beta2 + g.float().square() * (1 - beta2)
     bias_correction1 = 1 - beta1 ** step
