@@ -202,15 +202,16 @@ class CoatFP8Muon(CoatFP8Optimizer):
 
     def load_state_dict(self, state_dict):
         """base's load_state_dict (FP8 entries, or fp32 moments to quantize); a Muon group's `momentum_buffer`
-        (torch.optim.Muon's state) is its momentum. A saved group must have the same use_muon as this one's."""
+        (torch.optim.Muon's state, which counts no steps: step 0 then) is its momentum. A saved group must have the
+        same use_muon as this one's; options it lacks are this optimizer's."""
         for index, (group, saved) in enumerate(zip(self.param_groups, state_dict.get("param_groups", []))):
             if saved.get("use_muon", group["use_muon"]) != group["use_muon"]:
                 raise StateError(f"param group {index} of the loaded state dict has use_muon={saved['use_muon']!r}, "
                                  f"this optimizer's use_muon={group['use_muon']!r}")
-        state_dict = {**state_dict, "state": {
-            pid: ({("exp_avg" if k == TORCH_BUFFER else k): v for k, v in entry.items()}
-                  if isinstance(entry, dict) else entry)
-            for pid, entry in state_dict["state"].items()}}
+        groups = [{**{k: v for k, v in group.items() if k != "params"}, **saved}  # torch's groups lack use_muon
+                  for group, saved in zip(self.param_groups, state_dict.get("param_groups", []))]
+        state_dict = {**state_dict, "param_groups": groups,
+                      "state": {pid: _from_torch_muon(entry) for pid, entry in state_dict["state"].items()}}
         if self._unquantized is None:
             return super().load_state_dict(state_dict)
         torch.optim.Optimizer.load_state_dict(self, state_dict)
@@ -244,6 +245,15 @@ def muon_update(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, h: MuonSca
     update = newton_schulz(update, h.ns_coefficients, h.ns_steps, h.eps)
     new_p = p.mul(1 - h.lr * h.weight_decay).add_(update, alpha=-adjusted_lr(h.lr, h.adjust_lr_fn, p.shape))
     return m, new_p
+
+
+def _from_torch_muon(entry):
+    """An entry with torch.optim.Muon's momentum_buffer as this optimizer's exp_avg (and a step count)."""
+    if not isinstance(entry, dict) or TORCH_BUFFER not in entry:
+        return entry
+    renamed = {("exp_avg" if k == TORCH_BUFFER else k): v for k, v in entry.items()}
+    renamed.setdefault("step", torch.tensor(0.0))
+    return renamed
 
 
 def _quantizer(use_triton: bool):
