@@ -110,7 +110,8 @@ def test_lion_backends_give_the_same_bits_and_state_round_trips():
     params, first = run("auto", steps[:3])
     saved, torch_layout, pickled = copy.deepcopy(first.state_dict()), first.torch_format_state_dict(), \
         pickle.dumps((params, first))
-    assert set(torch_layout["state"][0]) == {"step", "exp_avg"} and torch_layout["state"][0]["exp_avg"].shape == (33, 20)
+    assert set(torch_layout["state"][0]) == {"step", "exp_avg"}
+    assert torch_layout["state"][0]["exp_avg"].shape == (33, 20)
     for load in (saved, torch_layout):
         resumed = [torch.nn.Parameter(params[0].detach().clone())]
         opt2 = CoatFP8Lion(resumed, lr=1e-2, weight_decay=0.1)

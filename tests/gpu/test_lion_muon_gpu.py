@@ -1,0 +1,79 @@
+"""CoatFP8Lion's fused Triton step gives the torch reference's bits on the same GPU (parameters, codes, metadata,
+skipped groups; fp32 and bf16 parameters, fp32 / bf16 / fp16 gradients, ragged segments and group size 32, NaN and
+Inf gradient groups), and the optimizers on CUDA: CoatFP8Lion backend="auto" == backend="torch" bit for bit over
+several steps, CoatFP8Muon with fp32 state == torch.optim.Muon on the GPU, FP8 Muon tracking it."""
+import pytest
+import torch
+
+from coat_kernels.optim import CoatFP8Lion, CoatFP8Muon
+from coat_kernels.optim import lion_triton
+from coat_kernels.optim.dre_reference import DREConfig, quantize
+from coat_kernels.optim.grouping import build_layout
+from coat_kernels.optim.lion_reference import LionScalars, fused_lion_step
+
+N = 1 << 20
+LAYOUTS = {"ragged segments": build_layout([(0, 300_001, 0), (300_001, 5, 7), (300_010, 700_000, 1_000_003)], N,
+                                           128),
+           "whole buffer, group 32": build_layout([(0, N, 0)], N, 32)}
+
+
+def same_bits(a, b):
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.dtype == b.dtype and int((a.contiguous().view(view) != b.contiguous().view(view)).sum()) == 0
+
+
+@pytest.mark.parametrize("layout_name", list(LAYOUTS))
+@pytest.mark.parametrize("param_dtype,grad_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                    (torch.float32, torch.float16)])
+def test_fused_lion_kernel_is_the_reference_bit_for_bit(layout_name, param_dtype, grad_dtype):
+    layout = LAYOUTS[layout_name]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    m = torch.randn(N, device="cuda", generator=gen) * torch.exp(torch.randn(N, device="cuda", generator=gen) * 2)
+    m[::97] = 0
+    cfg = DREConfig("e4m3")
+    codes, meta = quantize(m, layout, cfg)
+    param = torch.randn(N, device="cuda", generator=gen).to(param_dtype)
+    grad = (torch.randn(N, device="cuda", generator=gen) * 1e-2).to(grad_dtype)
+    grad[1000], grad[5000] = float("nan"), float("inf")
+    h = LionScalars.make(3e-4, 0.9, 0.99, 0.1)
+    a, b = [param.clone(), codes.clone(), meta.clone()], [param.clone(), codes.clone(), meta.clone()]
+    skipped_ref = fused_lion_step(a[0], grad, a[1], a[2], layout, h, cfg)
+    skipped = torch.zeros(1, dtype=torch.int32, device="cuda")
+    lion_triton.fused_lion_step(b[0], grad, b[1], b[2], layout, h, cfg, skipped)
+    assert int(skipped) == int(skipped_ref) >= 2
+    assert same_bits(a[0], b[0]) and same_bits(a[1], b[1]) and same_bits(a[2], b[2])
+
+
+def test_lion_optimizer_backends_agree_on_cuda():
+    def run(backend):
+        torch.manual_seed(1)
+        params = [torch.nn.Parameter(torch.randn(512, 384, device="cuda")),
+                  torch.nn.Parameter(torch.randn(1000, device="cuda"))]
+        opt = CoatFP8Lion(params, lr=1e-3, weight_decay=0.1, backend=backend)
+        gen = torch.Generator(device="cuda").manual_seed(2)
+        for _ in range(5):
+            for p in params:
+                p.grad = torch.randn(p.shape, device="cuda", generator=gen)
+            opt.step()
+        return params, opt
+
+    (fused, opt), (reference, _) = run("auto"), run("torch")
+    assert all(same_bits(p, q) for p, q in zip(fused, reference))
+    assert opt.state_bytes() / sum(p.numel() for p in fused) < 1.11
+
+
+def test_muon_fp32_state_is_torch_muon_on_cuda_and_fp8_tracks_it():
+    torch.manual_seed(3)
+    w = torch.randn(1024, 768, device="cuda")
+    oracle_w, ref_w, fp8_w = (torch.nn.Parameter(w.clone()) for _ in range(3))
+    oracle = torch.optim.Muon([oracle_w], lr=0.02)
+    ref, fp8 = CoatFP8Muon([ref_w], lr=0.02, state_dtype="fp32"), CoatFP8Muon([fp8_w], lr=0.02)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    for _ in range(10):
+        g = torch.randn(w.shape, device="cuda", generator=gen)
+        for p in (oracle_w, ref_w, fp8_w):
+            p.grad = g.clone()
+        oracle.step(), ref.step(), fp8.step()
+    torch.testing.assert_close(ref_w, oracle_w, rtol=1e-6, atol=1e-7)
+    assert (fp8_w - oracle_w).abs().max() < 0.02 * (oracle_w - w).abs().max()
+    assert fp8.state_bytes() / w.numel() < 1.11
