@@ -1,5 +1,5 @@
 """Quantization error of COAT's moment quantizer (CPU, torch reference). Usage:
-python benchmarks/moment_quantization_error.py
+python -m benchmarks.moment_quantization_error   (from the repository root)
 
 1. MSE of m/sqrt(v) on AdamW moments of a small MLP: plain per-group E4M3 against Dynamic Range Expansion, for
    several caps on k.
@@ -7,6 +7,10 @@ python benchmarks/moment_quantization_error.py
    m/(sqrt(v) + eps) for this quantizer (k may fall to 1/16, compressing groups wider than the format), the same
    with k held at 1 or above, and the method in exact float64 arithmetic (what NVlabs/COAT's kernel computes in
    fp32, without its portable log2/exp2).
+3. The same moments (1. and the groups of 2.) in every storage the optimizer comparison runs (launch/moment_schemes:
+   COAT with and without expansion, torchao's FP8, FlashOptim's 8-bit, bf16): relative L2 error of the update
+   direction and the share of elements it moves by more than 10%. On a real run's moments, over training:
+   `python -m launch.optimizer_parity --arm fp32 --moment-error-every N` (the same schemes).
 """
 import math
 
@@ -14,6 +18,7 @@ import torch
 
 from coat_kernels.optim import dre_reference as ref
 from coat_kernels.optim.grouping import build_layout
+from launch.moment_schemes import SCHEMES, relative_errors
 
 G = 128
 
@@ -110,6 +115,16 @@ def main():
         m, v = wide_range_moments(decades)
         errors = [ratio_error(f, m, v, m_cfg, v_cfg) for f in (roundtrip, roundtrip_k_at_least_1, roundtrip_exact_math)]
         print(f"{decades:<16} " + " ".join(f"{e:10.5f}" for e in errors))
+
+    print(f"\n{'moments':<22} " + " ".join(f"{s:>20}" for s in SCHEMES)
+          + "   relative L2 error of the update direction / share of elements off by > 10%")
+    cases = [("AdamW on the MLP", adam_moments())] + [(f"{d} decades of |m|", wide_range_moments(d)) for d in (2, 4)]
+    for name, (m, v) in cases:
+        whole = m.numel() - m.numel() % 256  # whole torchao blocks (it keeps other tensors in fp32)
+        m, v = m[:whole], v[:whole]
+        errors = relative_errors([(m, v)], step=30, betas=(0.9, 0.999), eps=1e-8)
+        print(f"{name:<22} " + " ".join(f"{errors['relative_l2'][s]:>11.4g} / {errors['share_far'][s]:6.2%}"
+                                        for s in SCHEMES))
 
 
 if __name__ == "__main__":
