@@ -1,5 +1,5 @@
 """Quantization error of COAT's moment quantizer (CPU, torch reference). Usage:
-python -m benchmarks.moment_quantization_error   (from the repository root)
+python benchmarks/moment_quantization_error.py
 
 1. MSE of m/sqrt(v) on AdamW moments of a small MLP: plain per-group E4M3 against Dynamic Range Expansion, for
    several caps on k.
@@ -13,12 +13,16 @@ python -m benchmarks.moment_quantization_error   (from the repository root)
    `python -m launch.optimizer_parity --arm fp32 --moment-error-every N` (the same schemes).
 """
 import math
+import os
+import sys
 
 import torch
 
 from coat_kernels.optim import dre_reference as ref
 from coat_kernels.optim.grouping import build_layout
-from launch.moment_schemes import SCHEMES, relative_errors
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root: `launch`
+from launch.moment_schemes import SCHEMES, relative_errors  # noqa: E402
 
 G = 128
 
