@@ -1,18 +1,25 @@
 """One optimizer step on ~1e9 fp32 parameters (60 x 4096 x 4096, fp32 grads): CoatFP8AdamW vs
-torch.optim.AdamW(fused=True) vs torchao AdamWFp8 (when importable). Prints ms/step, achieved GB/s
-(the bytes each must move once) and state bytes/param.  Usage: python benchmarks/bench_optimizer.py [--tensors 60]
+torch.optim.AdamW(fused=True) vs AdamW with bf16 moments (launch/bf16_moment_adamw.py, compiled) vs torchao AdamWFp8
+and FlashOptim's FlashAdamW (when importable; FlashOptim on bf16 copies of the parameters with bf16 gradients and
+24-bit masters, its recipe). Prints ms/step, achieved GB/s (the bytes each must move once) and state bytes/param.
+Usage: python benchmarks/bench_optimizer.py [--tensors 60]
 """
 import argparse
 import gc
+import os
+import sys
 
 import torch
 
 from coat_kernels.optim import CoatFP8AdamW
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root: `launch`
+from launch.bf16_moment_adamw import BF16MomentAdamW  # noqa: E402
+from launch.optimizer_arms import value_bytes  # noqa: E402
+
 
 def state_bytes(opt):
-    return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
-               if torch.is_tensor(t) and t.is_cuda)
+    return sum(value_bytes(t) for s in opt.state.values() for t in s.values())
 
 
 def bench(name, make_opt, params, bytes_per_param, steps=20, warmup=3):
@@ -82,11 +89,26 @@ def main():
         dre_triton.fused_adamw_kernel = entry
         rows.append(bench("  Coat no expansion", lambda ps: CoatFP8AdamW(ps, lr=1e-4, expand_exp_avg=False,
                                                                       expand_exp_avg_sq=False), params, 16))
+    # read and write p (4 + 4) and the moments (4 + 4), read the gradient (4): 20 B/param
+    rows.append(bench("AdamW, bf16 moments (compiled per tensor)",
+                      lambda ps: BF16MomentAdamW(ps, lr=1e-4, compile_step=True), params, 20))
     try:
         from torchao.optim import AdamWFp8
         rows.append(bench("torchao AdamWFp8", lambda ps: AdamWFp8(ps, lr=1e-4), params, 16))
     except Exception as e:  # noqa: BLE001 - report any import/runtime failure of the baseline
         print(f"torchao AdamWFp8: skipped ({type(e).__name__}: {e})")
+    try:
+        from flashoptim import FlashAdamW
+        bf16_params = [torch.nn.Parameter(p.detach().bfloat16()) for p in params]
+        for p, q in zip(bf16_params, params):
+            p.grad = q.grad.bfloat16()
+        del params
+        gc.collect()
+        # read and write p (2), error bits (1), moments (2 x 1.0625), read the gradient (2): 12.25 B/param
+        rows.append(bench("FlashOptim FlashAdamW (bf16 params, 24-bit masters)",
+                          lambda ps: FlashAdamW(ps, lr=1e-4, master_weight_bits=24), bf16_params, 12.25))
+    except Exception as e:  # noqa: BLE001 - report any import/runtime failure of the baseline
+        print(f"FlashOptim FlashAdamW: skipped ({type(e).__name__}: {e})")
     base, base_b2b = rows[0][1], rows[0][2]
     print("ms/step: median of single steps (synchronised each); b2b: mean of back-to-back steps; GB/s from b2b")
     print(f"{'optimizer':<48} {'ms/step':>8} {'x fused':>8} {'b2b ms':>8} {'x fused':>8} {'GB/s':>7} "
