@@ -1,4 +1,4 @@
-"""COAT for DeepSpeed: `"optimizer": {"type": "CoatFP8AdamW"}` in ds_config.json.
+"""COAT for DeepSpeed: `"optimizer": {"type": "CoatFP8AdamW"}` (or "CoatFP8Lion", "CoatFP8Muon") in ds_config.json.
 
 `import coat_ds` (or only installing the package: its start-up hook) registers the optimizer with DeepSpeed as soon
 as deepspeed is imported. The optimizer itself is engine-agnostic (coat_kernels.optim); `coat_ds.CoatFP8AdamW` adds
@@ -13,9 +13,10 @@ from coat_kernels.act import ActivationConfig
 from coat_kernels.optim import OptimizerConfig
 
 from . import _autoregister
-from .optimizer import CoatFP8AdamW
+from .optimizer import CoatFP8AdamW, CoatFP8Lion, CoatFP8Muon
 
-__all__ = ["ActivationConfig", "CoatFP8AdamW", "OptimizerConfig", "coat_runtime", "convert_to_coat"]
+__all__ = ["ActivationConfig", "CoatFP8AdamW", "CoatFP8Lion", "CoatFP8Muon", "OptimizerConfig", "coat_runtime",
+           "convert_to_coat"]
 
 if "deepspeed" in _sys.modules:
     from .deepspeed_plugin import register_with_deepspeed

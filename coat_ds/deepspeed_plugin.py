@@ -1,4 +1,7 @@
-"""CoatFP8AdamW as a DeepSpeed optimizer: `"optimizer": {"type": "CoatFP8AdamW", "params": {...}}` in ds_config.
+"""CoatFP8AdamW as a DeepSpeed optimizer: `"optimizer": {"type": "CoatFP8AdamW", "params": {...}}` in ds_config (and
+CoatFP8Lion, CoatFP8Muon the same way: `"type": "CoatFP8Lion"` on ZeRO-0/1/2/3; `"type": "CoatFP8Muon"` only where
+DeepSpeed steps the model's own parameters, ZeRO-0 without a bf16 / fp16 wrapper, since Newton-Schulz needs whole
+matrices and every other mode hands the optimizer flat partitions).
 
 DeepSpeed 0.19.8 has no optimizer registry: for a `type` it does not know it builds `getattr(torch.optim, type)`
 with the config params as keywords, and ZeRO accepts only optimizers listed in
@@ -15,13 +18,16 @@ from __future__ import annotations
 from coat_kernels.optim import state_report
 
 from . import engine_hooks, full_optimizer_state, master_partitions, patch_sites
-from .optimizer import CoatFP8AdamW
+from .optimizer import COAT_OPTIMIZERS, CoatFP8AdamW, CoatFP8Lion, CoatFP8Muon
 
 
 def register_with_deepspeed() -> None:
     """Idempotent. Needs deepspeed importable (it is imported here). Each change is a site of coat_ds.patch_sites."""
     patch_sites.set_value(patch_sites.TORCH_OPTIM_CLASS, CoatFP8AdamW)
-    patch_sites.append_member(patch_sites.ZERO_SUPPORTED, CoatFP8AdamW)
+    patch_sites.set_value(patch_sites.TORCH_OPTIM_LION, CoatFP8Lion)
+    patch_sites.set_value(patch_sites.TORCH_OPTIM_MUON, CoatFP8Muon)
+    for optimizer_class in COAT_OPTIMIZERS:
+        patch_sites.append_member(patch_sites.ZERO_SUPPORTED, optimizer_class)
     patch_sites.wrap(patch_sites.SANITY_CHECK, _checking_engine_config)
     patch_sites.wrap(patch_sites.CONFIGURE_ZERO, _owning_bf16_masters)
     engine_hooks.install()
@@ -32,6 +38,14 @@ def check_engine_config(engine, optimizer=None) -> None:
     """Raise ValueError for DeepSpeed modes that cannot hold CoatFP8AdamW's FP8 states, or (for `optimizer`, the
     CoatFP8AdamW DeepSpeed built) that give master remainders no bf16 masters to complete."""
     stage = engine.zero_optimization_stage()
+    if isinstance(optimizer, CoatFP8Muon) and (stage != 0 or engine.bfloat16_enabled() or engine.fp16_enabled()):
+        raise ValueError(
+            f"CoatFP8Muon needs whole weight matrices (Newton-Schulz orthogonalises each one), and this config (ZeRO "
+            f"stage {stage}{', bf16' if engine.bfloat16_enabled() else ''}{', fp16' if engine.fp16_enabled() else ''}"
+            ") hands the optimizer flat partitions of them: ZeRO-1/2/3, BF16_Optimizer and FP16_Optimizer all "
+            "flatten the parameters. DeepSpeed's own Muon orthogonalises the gathered gradient inside its ZeRO "
+            "optimizer with momentum kept there in fp32, which an FP8 state cannot replace. Use ZeRO stage 0 "
+            'without "bf16" / "fp16" (an fp32 or bf16 model stepped in place), or "type": "Muon" for ZeRO.')
     if stage in (1, 2) and engine.zero_elastic_checkpoint():
         raise ValueError(
             "CoatFP8AdamW does not support zero_optimization.elastic_checkpoint=true: elastic checkpoints slice every "
@@ -58,7 +72,7 @@ def _checking_engine_config(original):
     wrapper for a CoatFP8AdamW (before it is built)."""
 
     def _do_optimizer_sanity_check(self, basic_optimizer):
-        if isinstance(basic_optimizer, CoatFP8AdamW):
+        if isinstance(basic_optimizer, COAT_OPTIMIZERS):
             check_engine_config(self, basic_optimizer)
         return original(self, basic_optimizer)
 

@@ -70,6 +70,11 @@ TORCH_OPTIM_CLASS = PatchSite(
     "DeepSpeed builds an optimizer `type` it does not know as getattr(torch.optim, type)(params, **params)",
     'the ds_config\'s "optimizer": {"type": "CoatFP8AdamW"} (DeepSpeed has no optimizer registry)',
     "coat_ds.deepspeed_plugin", (REGISTRATION, ZERO_STAGES, IN_PLACE))
+LION_MUON = "tests/deepspeed/test_deepspeed_lion_muon.py::test_lion_and_muon_from_the_ds_config"
+TORCH_OPTIM_LION, TORCH_OPTIM_MUON = (
+    PatchSite(("torch.optim",), name, "set", TORCH_OPTIM_CLASS.needs,
+              f'the ds_config\'s "optimizer": {{"type": "{name}"}}', "coat_ds.deepspeed_plugin", (LION_MUON, IN_PLACE))
+    for name in ("CoatFP8Lion", "CoatFP8Muon"))
 ZERO_SUPPORTED = PatchSite(
     ("deepspeed.runtime.zero.utils",), "ZERO_SUPPORTED_OPTIMIZERS", "appended to",
     "ZeRO accepts the optimizers of this list without zero_allow_untested_optimizer",
@@ -132,9 +137,9 @@ IMPORT_HOOK = PatchSite(
     "register CoatFP8AdamW right after deepspeed is executed, in scripts that never import coat_ds (applied by "
     "coat_ds._autoregister itself, which runs at interpreter start-up)", "coat_ds._autoregister", (PROBES,))
 
-PATCHES = (TORCH_OPTIM_CLASS, ZERO_SUPPORTED, SANITY_CHECK, CONFIGURE_ZERO, ENGINE_INIT, GET_FULL_STATE,
-           SET_FULL_STATE, GET_LOCAL_STATE, SET_LOCAL_STATE, MASTER_STATE_DICT, UNIVERSAL_LOAD_1_2, UNIVERSAL_LOAD_3,
-           ZERO_STEP, ZERO_FLATTEN, IMPORT_HOOK)
+PATCHES = (TORCH_OPTIM_CLASS, TORCH_OPTIM_LION, TORCH_OPTIM_MUON, ZERO_SUPPORTED, SANITY_CHECK, CONFIGURE_ZERO,
+           ENGINE_INIT, GET_FULL_STATE, SET_FULL_STATE, GET_LOCAL_STATE, SET_LOCAL_STATE, MASTER_STATE_DICT,
+           UNIVERSAL_LOAD_1_2, UNIVERSAL_LOAD_3, ZERO_STEP, ZERO_FLATTEN, IMPORT_HOOK)
 
 INTERNALS = (
     Internal(("_hp_mapping", "hp_fragment", "get_hp_fragment_address", "lp_fragment_address", "param_group_index",
