@@ -107,8 +107,9 @@ def report(out: str) -> str:
     lines = ["Model states held between steps per parameter (rank 0, ZeRO-2), from the run's own measurement "
              "(train_ds.py's memory breakdown, GPU only) and its optimizer-state report; loss: mean of the last 10 "
              "steps' training loss, its gap to torch AdamW's.", "",
-             "| recipe | ds_config | optimizer state B/param (with COAT's master remainders) | weights | master weights | gradients and other "
-             "buffers | total held B/param | mean loss, last 10 steps | gap vs fp32 AdamW | optimizer step ms |",
+             "| recipe | ds_config | optimizer state B/param (with COAT's master remainders) | weights | "
+             "master weights | gradients and other buffers | total held B/param | mean loss, last 10 steps | "
+             "gap vs fp32 AdamW | optimizer step ms |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     reference = runs.get(REFERENCE, {}).get("mean_loss_last10")
     for recipe, (label, _, _) in RECIPES.items():
