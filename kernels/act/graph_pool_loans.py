@@ -45,7 +45,7 @@ class PoolLoan:
         stream = self.pool.capture_stream
         stream.wait_stream(user)
         reserved = torch.cuda.memory_reserved(device)
-        with torch.cuda.stream(stream), torch.cuda.use_mem_pool(self.pool.memory, device=device):
+        with torch.cuda.stream(stream), torch.cuda.use_mem_pool(self.pool.memory):
             t = torch.empty(numel, dtype=dtype, device=device)
         self.outside += torch.cuda.memory_reserved(device) - reserved
         t.record_stream(user)

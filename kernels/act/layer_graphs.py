@@ -50,6 +50,7 @@ Only CUDA tensors, with grad enabled, outside another capture; `fn` must not syn
 """
 from __future__ import annotations
 
+import gc
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -153,12 +154,14 @@ class GraphPool:
 
     def reset(self) -> None:
         """Drop every generation (their graphs and pool) and capture anew; only when none is in flight."""
-        dropped = self._memory is not None
         self.generations.clear()
         self.handed_out.clear()
-        self._memory = None
         self.reset_requested = False
-        if dropped:  # the dropped pool's segments go back to the device, before a new pool reserves its own
+        if self._memory is not None:
+            # the dropped pool's segments go back to the device before a new pool reserves its own: first the
+            # generations' tensors and graphs (they and their captures refer to each other), then the pool
+            gc.collect()
+            self._memory = None
             torch.cuda.empty_cache()
 
     def segment_bytes(self) -> int:
@@ -302,6 +305,7 @@ class _Replay(torch.autograd.Function):
         capture.backward.replay()
         capture.generation.sealed = True
         ctx.token.finish()
+        ctx.capture = ctx.token = None  # a loss kept after its backward must not keep dropped graphs (and their pool)
         grads = iter(capture.grads)
         out = [next(grads) if needed else None for needed in capture.needs_grad]
         if out[0] is not None:
