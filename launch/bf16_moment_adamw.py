@@ -43,6 +43,12 @@ class BF16MomentAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # one compiled graph per tensor shape: more shapes than torch's default recompile limit (as torchao does)
+        with torch._dynamo.utils.disable_cache_limit():
+            self._step_groups()
+        return loss
+
+    def _step_groups(self):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr = torch.tensor(float(group["lr"]))  # 0-dim CPU tensors, as torch.optim keeps steps: no copies
@@ -59,4 +65,3 @@ class BF16MomentAdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 self.step_function(p, p.grad, state["exp_avg"], state["exp_avg_sq"], lr, state["step"], beta1,
                                    beta2, group["eps"], group["weight_decay"])
-        return loss
