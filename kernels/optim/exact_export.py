@@ -10,15 +10,18 @@ many codes change (most in the second moment).
 the group's largest code get an fp32 value M' with log2(M') equal (in fp32) to log2 M, and one element at the
 smallest code gets an m' with log2(m') equal to log2 m. The metadata is a function of log2 M and log2 m alone, so a
 group quantized again gets the same metadata, and then the same codes (the other decoded values sit well inside
-their codes' rounding intervals). log2 M and log2 m are recovered from the metadata (k, log2 c, log2(sQ)) by trying
-the fp32 neighbours of log2 c +- log2(sQ)/k against the encoder's own formulas; M' and m' by searching the fp32
-neighbours of 2^log2 M. Every exported group is quantized again and compared; a group that does not reproduce
-(none in the tests) keeps its plain decoded values and is counted.
+their codes' rounding intervals). M' and m' are searched among the fp32 values around the estimates
+2^(log2 c +- log2(sQ)/k), every pair of candidates checked against the encoder's own formulas: first a few
+neighbours on each side, then, for the groups that this misses, as far as the estimates' error bound reaches, so that
+the group's own M and m are among the candidates and a pair is always found. Every exported group is quantized again
+and compared; a group that still does not reproduce keeps its plain decoded values and is counted.
 
 Equality is of what training reads: metadata bit for bit and every code's value; a code -0 comes back as +0 (both
 decode to +0.0, so the next step computes the same bits).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -27,12 +30,11 @@ from . import dre_reference as reference
 from .dre_reference import LOG2_RATIO_EPS, DREConfig, f32
 from .grouping import GroupLayout
 
-# fp32 neighbours of the estimated M and m tried on each side: NARROW for both first; where log2 M (or log2 m) is
-# much closer to 0 than log2 c, its estimate is off by many of its own ulps: WIDE on that side, NEIGHBOURS on the other.
+# fp32 neighbours of the estimated M and m tried on each side first (most groups); the groups this misses are searched
+# again as wide as the estimates' error bound (_search_widths), which holds the group's true M and m.
 NARROW = 16
-WIDE = 1024
-NEIGHBOURS = 4
-CHUNK_GROUPS = 1 << 12  # groups per pass: candidate tensors hold ~2,500 values per group
+CHUNK_GROUPS = 1 << 12  # groups per pass of the first search
+CANDIDATE_BUDGET = 1 << 14  # candidates per side and pass of the wider search
 
 
 def export(codes: torch.Tensor, meta: torch.Tensor, layout: GroupLayout, cfg: DREConfig) -> tuple[torch.Tensor, int]:
@@ -76,17 +78,15 @@ def _anchor_groups(x, raw, valid, meta, cfg):
         # that element carries both M' and m'
         single_max = (valid & (mag == code_max[:, None])).sum(dim=1) == 1
         codes = (code_max, code_min, has_zero, single_max)
-        big, small, small_code, found = _solve_extremes(meta, *codes, cfg, NARROW, NARROW)
-        for widths in ((WIDE, NEIGHBOURS), (NEIGHBOURS, WIDE)):  # log2 M (or log2 m) near 0: finer than log2 c
-            retry = (~found).nonzero()[:, 0]
-            if len(retry):
-                found_now = _solve_extremes(meta[:, retry], *(c[retry] for c in codes), cfg, *widths)
-                for out, new in zip((big, small, small_code, found), found_now):
-                    out[retry] = new
+        big, small, small_code, found = _solve_extremes(meta, *codes, cfg, NARROW)
+        for rows, width in _retry_passes(~found & nonzero_groups, _search_widths(meta)):
+            found_now = _solve_extremes(meta[:, rows], *(c[rows] for c in codes), cfg, width)
+            for out, new in zip((big, small, small_code, found), found_now):
+                out[rows] = new
     else:  # k = 1, log2 c = 0: log2(sQ) is log2 M itself
-        candidates, usable, _, log2_values = _preimages(log2_scale_q, NARROW, meta, cfg, code_max)
-        good = usable & (log2_values == log2_scale_q[:, None])
-        big, found = candidates.gather(1, good.int().argmax(dim=1, keepdim=True))[:, 0], good.any(dim=1)
+        big, found = _solve_max(meta, code_max, cfg, NARROW)
+        for rows, width in _retry_passes(~found & nonzero_groups, _search_widths(meta)):
+            big[rows], found[rows] = _solve_max(meta[:, rows], code_max[rows], cfg, width)
     out = torch.where(valid & (mag == code_max[:, None]), _signed(big, negative), x)
     ok = found
     if cfg.expand:
@@ -105,42 +105,99 @@ def _signed(magnitude, negative):
     return torch.where(negative, -magnitude[:, None], magnitude[:, None])
 
 
-def _solve_extremes(meta, code_max, code_min, has_zero, single_max, cfg, width_big, width_small):
+def _solve_extremes(meta, code_max, code_min, has_zero, single_max, cfg, width):
     """Per group, fp32 M' and m' whose log2 values give the metadata (k, log2 c, log2(sQ)) through
     dre_reference.group_params, M' encoding to the group's largest code and m' to its smallest nonzero code (or to 0
     where the group holds a zero code): (M', m', m's code magnitude, found). Several fp32 neighbours share one fine
     log2 but the encoder reads a coarse one, so candidates that fit the metadata can still encode to the next code:
-    the code is part of the condition. Candidates: `width_*` fp32 neighbours on each side of the values whose log2
+    the code is part of the condition. Candidates: `width` fp32 neighbours on each side of the values whose log2
     is log2 c +- log2(sQ)/k. single_max [n]: the group has one element at its largest code; an m' at that code is
     then carried by the same element as M', so log2 m' must equal log2 M'."""
     k, log2_center, log2_scale_q = meta
     half_range = log2_scale_q / k
-    big, big_ok, _, a = _preimages(log2_center + half_range, width_big, meta, cfg, code_max)  # [n, A]
-    small, small_ok, small_code, b = _preimages(log2_center - half_range, width_small, meta, cfg)  # [n, B]
-    a3, b3 = a[:, :, None], b[:, None, :]
-    kc, lc, ls = (t[:, None, None] for t in (k, log2_center, log2_scale_q))
+    big, big_ok, _, a = _preimages(log2_center + half_range, width, meta, cfg, code_max)  # [n, A]
+    small, small_ok, small_code, b = _preimages(log2_center - half_range, width, meta, cfg)  # [n, B]
+    big_ok &= k[:, None] * (a - log2_center[:, None]) == log2_scale_q[:, None]
+    small_ok &= (small_code == code_min[:, None]) | ((small_code == 0) & has_zero[:, None])
+    j, reachable = _partners(a, big_ok, b, small_ok, log2_center)  # [n, A, W]
+    b3 = b.gather(1, j.flatten(1)).view(j.shape)
+    code3 = small_code.gather(1, j.flatten(1)).view(j.shape)
+    a3 = a[:, :, None]
+    kc, lc = k[:, None, None], log2_center[:, None, None]
     ratio = a3 - b3
     k_new = torch.floor(torch.full_like(ratio, cfg.expand_numerator) / ratio) * cfg.inv_expand_min
     k_new = torch.where(ratio <= LOG2_RATIO_EPS, 1.0, k_new.clamp(cfg.inv_expand_min, f32(cfg.k_max)))
-    good = ((a3 + b3) * 0.5 == lc) & (kc * (a3 - lc) == ls) & (k_new == kc) & (a3 >= b3)
-    small_ok &= (small_code == code_min[:, None]) | ((small_code == 0) & has_zero[:, None])
-    good &= big_ok[:, :, None] & small_ok[:, None, :]
-    shared = single_max[:, None] & (small_code == code_max[:, None])  # [n, B]
-    good &= (a3 == b3) | ~shared[:, None, :]
+    good = reachable & ((a3 + b3) * 0.5 == lc) & (k_new == kc) & (a3 >= b3)
+    shared = single_max[:, None, None] & (code3 == code_max[:, None, None])
+    good &= (a3 == b3) | ~shared
     flat = good.flatten(1)
     pick = flat.int().argmax(dim=1)
-    i, j = pick // b.shape[1], pick % b.shape[1]
     rows = torch.arange(len(k), device=k.device)
-    return big[rows, i], small[rows, j], small_code[rows, j], flat.any(dim=1)
+    i, jj = pick // j.shape[2], j.flatten(1)[rows, pick]
+    return big[rows, i], small[rows, jj], small_code[rows, jj], flat.any(dim=1)
+
+
+def _partners(a, a_ok, b, b_ok, log2_center):
+    """For each usable log2 M' candidate a [n, A]: the indices [n, A, W] of the usable log2 m' candidates b [n, B]
+    within an ulp of 2 log2 c from 2 log2 c - a (every b with fl(a + b) = 2 log2 c is among them), and which of the
+    W slots hold one (rows have different counts)."""
+    sorted_b, order = torch.where(b_ok, b.double(), torch.inf).sort(dim=1)
+    target = 2 * log2_center.double()[:, None] - a.double()
+    reach = _ulp(2 * log2_center).double()[:, None]
+    lo = torch.searchsorted(sorted_b, target - reach)
+    hi = torch.where(a_ok, torch.searchsorted(sorted_b, target + reach, right=True), lo)
+    width = max(int((hi - lo).max()), 1) if lo.numel() else 1
+    slots = lo[..., None] + torch.arange(width, device=a.device)
+    reachable = slots < hi[..., None]
+    j = order.gather(1, slots.clamp(max=b.shape[1] - 1).flatten(1)).view(slots.shape)
+    return j, reachable
+
+
+def _solve_max(meta, code_max, cfg, width):
+    """Without expansion (k = 1, log2 c = 0, log2(sQ) = log2 M): per group an fp32 M' of code magnitude `code_max`
+    whose log2 is log2(sQ): (M', found)."""
+    log2_scale_q = meta[2]
+    candidates, usable, _, log2_values = _preimages(log2_scale_q, width, meta, cfg, code_max)
+    good = usable & (log2_values == log2_scale_q[:, None])
+    return candidates.gather(1, good.int().argmax(dim=1, keepdim=True))[:, 0], good.any(dim=1)
+
+
+def _ulp(x: torch.Tensor) -> torch.Tensor:
+    x = x.abs()
+    return torch.nextafter(x, torch.full_like(x, torch.inf)) - x
+
+
+def _search_widths(meta) -> torch.Tensor:
+    """Per group, how many fp32 steps from the estimated M (and m) the group's true M (and m) can lie: a bound on
+    the estimates' log2 error (log2(sQ) was rounded before the division by k; log2 c, log2 M and log2 m are each
+    within a few of their own ulps of what the encoder computed), with margin, times the fp32 values per unit of
+    log2 near any x (x / ulp(x) < 2^24, d(log2 x) = dx / (x ln 2))."""
+    k, log2_center, log2_scale_q = meta
+    half_range = log2_scale_q / k
+    log2_error = _ulp(log2_scale_q) / k + 4 * (_ulp(log2_center) + _ulp(log2_center + half_range)
+                                               + _ulp(log2_center - half_range))
+    return (log2_error.double() * (1.01 * math.log(2) * 2 ** 24)).ceil().long() + 2
+
+
+def _retry_passes(missed: torch.Tensor, widths: torch.Tensor):
+    """(group rows, width) passes over the missed groups, narrowest first, each within CANDIDATE_BUDGET candidates."""
+    rows = missed.nonzero()[:, 0]
+    rows = rows[widths[rows].argsort()]
+    start = 0
+    while start < len(rows):
+        count = max(1, CANDIDATE_BUDGET // (2 * int(widths[rows[start]]) + 1))
+        width = int(widths[rows[start:start + count]].max())
+        count = max(1, min(count, CANDIDATE_BUDGET // (2 * width + 1)))
+        yield rows[start:start + count], width
+        start += count
 
 
 def _neighbours(x: torch.Tensor, count: int) -> torch.Tensor:
-    """x and its `count` fp32 neighbours on each side, along a new last dim."""
-    down, up = [x], [x]
-    for _ in range(count):
-        down.append(torch.nextafter(down[-1], torch.full_like(x, -torch.inf)))
-        up.append(torch.nextafter(up[-1], torch.full_like(x, torch.inf)))
-    return torch.stack(down[:0:-1] + up, dim=-1)
+    """x >= 0 and its `count` fp32 neighbours on each side, along a new last dim: consecutive bit patterns are
+    consecutive fp32 values there. Steps past 0 or past inf give NaNs, which no caller can use."""
+    steps = torch.arange(-count, count + 1, dtype=torch.int64, device=x.device)
+    bits = x.view(torch.int32).long()[..., None] + steps
+    return torch.where((bits >= 0) & (bits <= 0x7F800000), bits, 0x7FC00000).int().view(torch.float32)
 
 
 def _preimages(log2_estimate, width, meta, cfg, code=None):
