@@ -1,11 +1,12 @@
 """torch.compile of converted Hugging Face models on the GPU: the Triton kernels inside COAT's custom ops, Inductor's
 CUDA code around them. One decoder layer compiled alone (default mode and CUDA graphs) against eager COAT, a whole
-causal LM compiled with no graph break, and the Trainer's torch_compile=True."""
+causal LM compiled with no graph break, every FP8 block (each branch of the ops) compiled under dynamic shapes, and the
+Trainer's torch_compile=True."""
 import warnings
 
 import pytest
 import torch
-from compile_helpers import layer_step, loss_and_grads
+from compile_helpers import assert_every_block_compiles_to_the_eager_bits, layer_step, loss_and_grads
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from coat_hf import ActivationConfig, coat_runtime, convert_to_coat
@@ -121,3 +122,9 @@ def test_trainer_with_torch_compile(tmp_path):
     assert len(losses[True]) == 4
     for a, b in zip(losses[True], losses[False]):
         assert abs(a - b) < 1e-2 * b, losses
+
+
+def test_every_block_compiles_to_the_eager_bits_with_dynamic_shapes():
+    """The CPU test's cases (tests/hf/test_compile.py) on the Triton kernels: bit-equal to eager at two token counts
+    under one graph."""
+    assert_every_block_compiles_to_the_eager_bits("triton", (40, 24), device="cuda")

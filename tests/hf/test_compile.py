@@ -1,21 +1,20 @@
 """torch.compile of COAT: the FP8 blocks as torch.library custom ops (coat_kernels.act.compiled_ops) and converted
 Hugging Face models on them. Checked on CPU: Dynamo's graph breaks against the BF16 model, compiled loss and
 gradients against eager COAT (bit-exact: the ops run the same kernels, and eager's weight cache and gradient-amax
-hand-off change no value; those models use eager attention, see EXACT_ATTENTION), every block under dynamic shapes,
-the fake implementations (torch.library.opcheck on each op as the blocks call it), one decoder layer compiled by
+hand-off change no value; those models use eager attention, see EXACT_ATTENTION), every block under dynamic shapes
+(torch backend; the Triton kernels' on the GPU), the fake implementations (torch.library.opcheck on each op as the blocks call it), one decoder layer compiled by
 Inductor, and the Trainer's torch_compile=True."""
 import warnings
 
 import pytest
 import torch
-from compile_helpers import layer_step, loss_and_grads
+from compile_helpers import (assert_every_block_compiles_to_the_eager_bits, assert_same_bits, block_cases, layer_step,
+                             loss_and_grads, run_block)
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Trainer, TrainingArguments
 
-import coat_kernels.act as act
 from coat_hf import ActivationConfig, coat_runtime, convert_to_coat
-from coat_kernels.act.rope import rope_split
 from test_hf import batch, tiny
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)
@@ -32,11 +31,6 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-def assert_same_bits(got, expected, names):
-    for name, g, e in zip(names, got, expected):
-        assert g is not None and torch.equal(g, e), name
 
 
 # the coat ops of one converted decoder layer, per family
@@ -113,98 +107,9 @@ def test_a_compiled_layer_takes_dynamic_shapes():
     assert frames[1] == frames[0]  # no recompilation
 
 
-def block_cases(backend):
-    """(name, fn(*tensors) -> tensor or tuple, make(rows) -> tensors) for every public block and rope_split, with
-    every branch the ops have: weight pieces, biases, residual in and out, reuse_input, LayerNorm and RMSNorm,
-    grouped q/k/v; `rows` tokens."""
-    cfg = dict(config=ActivationConfig(backend=backend))
-    use_triton = backend == "triton"
-    g = torch.Generator().manual_seed(0)
-
-    def t(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(BF16)
-
-    def w(*shape):
-        return t(*shape, scale=0.1)
-
-    def gamma(n):
-        return (torch.rand(n, generator=g) * 0.4 + 0.8).to(BF16)
-
-    cos, sin = rope_tables(48, 8)
-    return [
-        ("fp8_linear pieces + bias", lambda x, w1, w2, b: act.fp8_linear(x, (w1, w2), b, **cfg),
-         lambda r: [t(2, r, 32), w(16, 32), w(32, 32), t(48)]),
-        ("fp8_linear reuse_input", lambda x, w1: act.fp8_linear(x, w1, reuse_input=True, **cfg),
-         lambda r: [t(r, 32), w(32, 32)]),
-        ("fp8_norm_linear residual_out", lambda x, gm, w1, w2: act.fp8_norm_linear(
-            x, gm, None, (w1, w2), residual_out=True, **cfg), lambda r: [t(r, 32), gamma(32), w(32, 32), w(16, 32)]),
-        ("fp8_add_norm_linear layernorm", lambda x, res, gm, nb, w1, b: act.fp8_add_norm_linear(
-            x, res, gm, nb, w1, b, norm="layernorm", zero_centered_gamma=True, **cfg),
-         lambda r: [t(2, r, 32), t(2, r, 32), t(32, scale=0.1), t(32), w(48, 32), t(48)]),
-        ("fp8_swiglu_linear", lambda x, w1, b: act.fp8_swiglu_linear(x, w1, b, **cfg),
-         lambda r: [t(r, 64), w(32, 32), t(32)]),
-        ("fp8_norm_swiglu_mlp residual", lambda x, res, gm, w1, w2, w3: act.fp8_norm_swiglu_mlp(
-            x, gm, None, (w1, w2), w3, residual=res, **cfg),
-         lambda r: [t(r, 32), t(r, 32), gamma(32), w(32, 32), w(32, 32), w(32, 32)]),
-        ("fp8_norm_swiglu_mlp biases layernorm", lambda x, gm, nb, w1, b1, w2, b2: act.fp8_norm_swiglu_mlp(
-            x, gm, nb, w1, w2, b1, b2, norm="layernorm", **cfg),
-         lambda r: [t(2, r, 32), gamma(32), t(32), w(64, 32), t(64), w(32, 32), t(32)]),
-        ("fp8_swiglu_linear gelu_tanh", lambda x, w1: act.fp8_swiglu_linear(x, w1, activation="gelu_tanh", **cfg),
-         lambda r: [t(r, 64), w(32, 32)]),
-        ("fp8_norm_swiglu_mlp gelu_tanh", lambda x, res, gm, w1, w2: act.fp8_norm_swiglu_mlp(
-            x, gm, None, w1, w2, residual=res, zero_centered_gamma=True, activation="gelu_tanh", **cfg),
-         lambda r: [t(r, 32), t(r, 32), t(32, scale=0.1), w(64, 32), w(32, 32)]),
-        ("fp8_gelu", lambda x: act.fp8_gelu(x, **cfg), lambda r: [t(2, r, 32)]),
-        ("rope_split split", lambda qkv: rope_split(qkv, cos, sin, 16, 2, use_triton), lambda r: [t(r, 8 * 16)]),
-        ("rope_split grouped", lambda qkv: rope_split(qkv, cos[:24], sin[:24], 16, 1, use_triton, layout="grouped",
-                                                      rows_per_position=2), lambda r: [t(r, 6 * 16)]),
-    ]
-
-
-def rope_tables(positions, half):
-    angles = torch.arange(positions, dtype=torch.float32)[:, None] * torch.linspace(0.05, 1.0, half)
-    return angles.cos(), angles.sin()
-
-
-def run_block(fn, tensors, seed=0):
-    """Outputs and input gradients of fn on leaves made from `tensors`, random output gradients."""
-    leaves = [t.clone().requires_grad_() for t in tensors]
-    out = fn(*leaves)
-    outs = out if isinstance(out, tuple) else (out,)
-    g = torch.Generator().manual_seed(seed)
-    torch.autograd.backward(outs, [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs])
-    return [o.detach() for o in outs] + [leaf.grad for leaf in leaves]
-
-
-@pytest.mark.parametrize("backend,token_counts", [("torch", (40, 24)), ("triton", (24,))])  # (interpreter: slow)
-def test_every_block_compiles_to_the_eager_bits_with_dynamic_shapes(backend, token_counts):
-    """All cases in one compiled function (one graph: no break), at token counts equal to no other size of a case
-    (a coincidence would be guarded), the second reusing the first's graph."""
-    cases = block_cases(backend)
-    inputs = [len(make(16)) for _, _, make in cases]
-
-    def every_block(*tensors):
-        outs, used = [], 0
-        for (_, fn, _), n in zip(cases, inputs):
-            out = fn(*tensors[used:used + n])
-            outs += list(out) if isinstance(out, tuple) else [out]
-            used += n
-        return tuple(outs)
-
-    counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(every_block, backend=counter, dynamic=True, fullgraph=True)
-    frames = []
-    for rows in token_counts:
-        per_case = [make(rows) for _, _, make in cases]
-        with torch.no_grad():
-            outputs = [fn(*tensors) for (_, fn, _), tensors in zip(cases, per_case)]
-        names = [f"{name}: output {i}" for (name, _, _), out in zip(cases, outputs)
-                 for i in range(len(out) if isinstance(out, tuple) else 1)]
-        names += [f"{name}: gradient of input {i}" for (name, _, _), n in zip(cases, inputs) for i in range(n)]
-        tensors = [t for case in per_case for t in case]
-        assert_same_bits(run_block(compiled, tensors), run_block(every_block, tensors), names)
-        frames.append(counter.frame_count)
-    assert frames[-1] == frames[0]  # no recompilation
+# The Triton kernels' case runs on the GPU (tests/gpu/test_compile_gpu.py; about a minute under the interpreter).
+def test_every_block_compiles_to_the_eager_bits_with_dynamic_shapes():
+    assert_every_block_compiles_to_the_eager_bits("torch", (40, 24))
 
 
 class RecordCoatOps(TorchDispatchMode):
