@@ -12,6 +12,9 @@ the weights it steps) differs:
                 4,096 elements (or not a multiple of 256) in fp32; its step one torch.compile'd function per tensor
   flashoptim    flashoptim.FlashAdamW: 8-bit companded moments in groups of 32 (fp16 scales), weights in bf16
                 (flashoptim.cast_model) with int8 error-correction bits: 24-bit master weights (its default)
+  muon_fp32 / muon_bf16 / coat_muon   CoatFP8Muon with its momentum in fp32 (torch.optim.Muon's step), bf16 or
+                FP8: Muon on the hidden matrices, AdamW (same storage) on embeddings, LM head and norms
+  lion_fp32 / coat_lion   CoatFP8Lion with its momentum in fp32 (lion-pytorch's step) or FP8; lr x0.1, wd x10
 An arm that cannot run on a device or is not installed says why (OptimizerArm.unavailable), and the run records
 that reason instead of a curve. A new optimizer is one more entry: a label, how it stores its moments, a builder.
 """
@@ -54,6 +57,7 @@ class OptimizerArm:
     moments: str  # how the moments are stored
     build: Callable[[torch.nn.Module, ArmContext], torch.optim.Optimizer]  # may change the model's dtype in place
     unavailable: Callable[[torch.device], str | None] = lambda device: None
+    lr_scale: float = 1.0  # the arm's learning rate as a multiple of the schedule's (Lion's is smaller)
 
 
 def _fp32(model, ctx):
@@ -106,6 +110,34 @@ def _flashoptim(model, ctx):
     return FlashAdamW(model.parameters(), **ctx.hyper.adamw_kwargs(), master_weight_bits=24)
 
 
+# Lion takes a learning rate 3-10x smaller than AdamW's and a weight decay as much larger, so that lr * wd stays
+# AdamW's (Chen et al. 2023, section 5)
+LION_LR_SCALE = 0.1
+
+
+def _lion(state_dtype: str):
+    def build(model, ctx):
+        from coat_kernels.optim import CoatFP8Lion
+
+        hyper = ctx.hyper
+        return CoatFP8Lion(model.parameters(), lr=hyper.lr * LION_LR_SCALE, betas=(0.9, 0.99),
+                           weight_decay=hyper.weight_decay / LION_LR_SCALE, state_dtype=state_dtype)
+    return build
+
+
+def _muon(state_dtype: str):
+    """Muon on the hidden 2-D matrices (torch.optim.Muon's step; lr scaled per matrix to AdamW's update RMS,
+    adjust_lr_fn="match_rms_adamw", so one learning rate serves both kinds of group), AdamW on the rest."""
+    def build(model, ctx):
+        from coat_kernels.optim import CoatFP8Muon, muon_param_groups
+
+        hyper = ctx.hyper
+        return CoatFP8Muon(muon_param_groups(model), lr=hyper.lr, weight_decay=hyper.weight_decay,
+                           adjust_lr_fn="match_rms_adamw", betas=hyper.betas, adamw_eps=hyper.eps,
+                           state_dtype=state_dtype)
+    return build
+
+
 def _missing(module: str, install: str):
     def reason(device):
         if importlib.util.find_spec(module) is None:
@@ -132,6 +164,15 @@ ARMS = {
                                 _missing("torchao", "pip install torchao==0.18.0")),
     "flashoptim": OptimizerArm("FlashOptim FlashAdamW (24-bit masters)",
                                "8-bit companded, groups of 32, fp16 scales", _flashoptim, _flashoptim_unavailable),
+    "muon_fp32": OptimizerArm("Muon, fp32 momentum (torch.optim.Muon's step; AdamW groups fp32)", "fp32",
+                              _muon("fp32")),
+    "muon_bf16": OptimizerArm("Muon, bf16 momentum (AdamW groups bf16)", "bf16, round to nearest", _muon("bf16")),
+    "coat_muon": OptimizerArm("CoatFP8Muon (AdamW groups: CoatFP8AdamW)",
+                              "FP8 E4M3, groups of 128, Dynamic Range Expansion", _muon("fp8")),
+    "lion_fp32": OptimizerArm("Lion, fp32 momentum (lion-pytorch's step)", "fp32", _lion("fp32"),
+                              lr_scale=LION_LR_SCALE),
+    "coat_lion": OptimizerArm("CoatFP8Lion", "FP8 E4M3, groups of 128, Dynamic Range Expansion", _lion("fp8"),
+                              lr_scale=LION_LR_SCALE),
 }
 
 

@@ -111,7 +111,7 @@ def train(argv=None):
     start, train_seconds = time.time(), 0.0
     for step in range(args.steps):
         t0 = time.perf_counter()
-        set_lr(optimizer, lr_at(step, args))
+        set_lr(optimizer, lr_at(step, args) * arm.lr_scale)
         tokens = batches[step].to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model(input_ids=tokens, labels=tokens).loss

@@ -68,7 +68,9 @@ def test_compiled_bf16_moment_step_matches_the_eager_one():
 
 
 EXPECTED_STATE = {"fp32": 8.0, "bf16_moments": 4.0, "coat": 2.1875, "coat_noexp": 2.1875, "torchao_fp8": 2.03125,
-                  "flashoptim": 2.125}  # moments and their scales or metadata per parameter
+                  "flashoptim": 2.125,  # moments and their scales or metadata per parameter
+                  # one momentum (the two 2-D layers are Muon matrices)
+                  "lion_fp32": 4.0, "coat_lion": 1.09375, "muon_fp32": 4.0, "muon_bf16": 2.0, "coat_muon": 1.09375}
 
 
 @pytest.mark.parametrize("arm", sorted(ARMS))
