@@ -17,8 +17,9 @@ since the caching allocator keeps a pool's blocks per stream; the tensors are th
 they are recorded on. A pool as the captures leave it is many segments (the allocator gives each large allocation
 its own), so a large loan finds no free block big enough and takes new memory: the pool then drops its graphs and,
 at the next step, captures them anew into one segment of max(its size, the loans' size) reserved up front
-(GraphPool.reserve_bytes), where every later loan fits. A lent tensor still referenced when the block ends would be overwritten by the next replay: the
-pool then drops its graphs and captures anew at the next step (the tensor keeps the old memory), with one warning.
+(GraphPool.reserve_bytes), where every later loan fits. A lent tensor still referenced when the block ends would be
+overwritten by the next replay: the pool then drops its graphs and captures anew at the next step (the tensor keeps
+the old memory), with one warning.
 """
 from __future__ import annotations
 
