@@ -5,7 +5,9 @@ Run by tests/deepspeed/test_deepspeed_remainders.py through torch.multiprocessin
   `"master_remainders": true`) against the fp32-master run (DeepSpeed's default bf16 mode) whose bf16 copies are
   rounded ties away from zero (as remainders round; DeepSpeed's own copy rounds ties to even): losses, bf16 weights,
   masters and FP8 states bit for bit; the remainder run steps the model's bf16 partitions (no master clone under
-  ZeRO-1/2); rigid checkpoints resume bit for bit; a universal checkpoint is saved for the next phases.
+  ZeRO-1/2); under gradient clipping (ZeRO-2/3) the same equality once the reference's clipped gradients are
+  rounded to bf16, as DeepSpeed clips a bf16 gradient partition in place; rigid checkpoints resume bit for bit; a
+  universal checkpoint is saved for the next phases.
 - universal_worker (2 ranks, then 1): coat_ds.to_universal's output loaded into remainder runs: masters and moments
   exact at load, the next loss exact at the same DP size, and into an fp32-master run: its masters are the same.
 Configurations without bf16 masters are refused at deepspeed.initialize. Each rank appends one line per checked
@@ -76,6 +78,38 @@ def copy_masters_ties_away(engine, stage):
     wrapper.step = step
 
 
+def round_clipped_grads_to_bf16(engine, stage):
+    """Make the fp32-master run's clipped gradients what the bf16-gradient run steps with: DeepSpeed scales the
+    gradient partition in place, in the partition's dtype (fp32 there, bf16 under bf16_master_weights_and_grads)."""
+    wrapper = engine.optimizer
+    original = wrapper.unscale_and_clip_grads
+
+    def unscale_and_clip_grads(grads, total_norm):
+        original(grads, total_norm)
+        flats = [wrapper.fp32_partitioned_groups_flat[grads].grad] if stage == 3 else grads
+        for grad in flats:
+            grad.copy_(grad.to(torch.bfloat16))
+
+    wrapper.unscale_and_clip_grads = unscale_and_clip_grads
+
+
+def clipped_runs(deepspeed, stage, rank, round_reference):
+    """(remainder run, fp32-master run) after STEPS steps under "gradient_clipping" below every step's gradient norm,
+    the reference's clipped gradients rounded to bf16 or not; and the norms."""
+    engine, *_ = deepspeed.initialize(model=H.make_model(0), config=remainder_config(stage, gradient_clipping=0.05))
+    reference, *_ = deepspeed.initialize(model=H.make_model(0), config=H.ds_config(stage, "bf16", clip=0.05))
+    copy_masters_ties_away(reference, stage)
+    if round_reference:
+        round_clipped_grads_to_bf16(reference, stage)
+    norms = []
+    for step in range(STEPS):
+        for run in (engine, reference):
+            run.backward(run(*H.batch(step, rank, torch.bfloat16)))
+            run.step()
+        norms.append(engine.get_global_grad_norm())
+    return engine, reference, norms
+
+
 def module_bits(engine, stage):
     import deepspeed
 
@@ -133,6 +167,12 @@ def remainders_worker(rank, world, rendezvous, out_dir):
         numel = sum(f.numel() for f in flats)
         report(out_dir, rank, f"stage {stage} equal state_bytes_per_element {coat.state_bytes() / numel:.3f}")
         if stage in (2, 3):
+            engine_c, reference_c, norms = clipped_runs(deepspeed, stage, rank, round_reference=True)
+            assert min(norms) > 0.05, norms  # every step clipped
+            assert all(torch.equal(a, b) for a, b in zip(module_bits(engine_c, stage), module_bits(reference_c, stage)))
+            assert same_states(masters_and_states(engine_c, stage), masters_and_states(reference_c, stage))
+            del engine_c, reference_c
+            report(out_dir, rank, f"stage {stage} clipped equal to bf16-rounded clipped gradients")
             tag = f"z{stage}_remainders"
             engine.save_checkpoint(out_dir, tag=tag, client_state={UNIVERSAL_CHECKPOINT_INFO: {}})
             saved = masters_and_states(engine, stage)
