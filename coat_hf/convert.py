@@ -79,11 +79,19 @@ def convert_to_coat(model: torch.nn.Module, config: ActivationConfig | Mapping |
             and getattr(model.config, "final_logit_softcapping", None) is None)
     if head and not isinstance(model, CoatCausalLM):
         model.__class__ = _coat_class(type(model), CoatCausalLM)
-    logger.warning("coat-fp8: %d decoder layers of %s on FP8 activations (%s); left in BF16: embeddings, final norm, "
-                   "LM head%s%s", converted, type(model).__name__, config,
-                   " (chunked LM head + cross-entropy in training)" if head else "",
-                   "; not converted: " + ", ".join(skipped) if skipped else "")
+    # a normal conversion is news (INFO); layers left unconverted are a warning
+    (logger.warning if skipped else logger.info)(
+        "coat-fp8: %d decoder layers of %s on FP8 activations (%s); embeddings, final norm and LM head stay in %s%s%s",
+        converted, type(model).__name__, config, _embedding_dtype(model),
+        " (chunked LM head + cross-entropy in training)" if head else "",
+        "; not converted: " + ", ".join(skipped) if skipped else "")
     return model
+
+
+def _embedding_dtype(model) -> str:
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embeddings, "weight", None)
+    return str(weight.dtype).removeprefix("torch.") if weight is not None else "the model's dtype"
 
 
 def _activation_config(config) -> ActivationConfig:
