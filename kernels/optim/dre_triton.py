@@ -333,11 +333,13 @@ def _moment_args(cfg: DREConfig):
                 MIN_SUB=cfg.fmt.min_subnormal)
 
 
-def quantize(x: torch.Tensor, layout: GroupLayout, cfg: DREConfig):
-    """Triton twin of `dre_reference.quantize`."""
+def quantize(x: torch.Tensor, layout: GroupLayout, cfg: DREConfig, rows: torch.Tensor | None = None):
+    """Triton twin of `dre_reference.quantize`. rows: the layout's `rows(TILE_GROUPS)` on x's device (made here when
+    not given, a blocking copy to the device: callers that repeat a layout keep them)."""
     codes = torch.zeros(layout.numel, dtype=cfg.fmt.dtype, device=x.device)
     meta = torch.empty(3, layout.num_groups, dtype=torch.float32, device=x.device)
-    rows = layout.rows(TILE_GROUPS).to(x.device)
+    if rows is None:
+        rows = layout.rows(TILE_GROUPS).to(x.device)
     if len(rows):
         _quantize_kernel[(len(rows),)](x.contiguous().view(-1), codes.view(torch.uint8), meta, rows,
                                        layout.num_groups, GROUP=layout.group_size, NG=TILE_GROUPS,
@@ -345,10 +347,12 @@ def quantize(x: torch.Tensor, layout: GroupLayout, cfg: DREConfig):
     return codes, meta
 
 
-def dequantize(codes: torch.Tensor, meta: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
-    """Triton twin of `dre_reference.dequantize`."""
+def dequantize(codes: torch.Tensor, meta: torch.Tensor, layout: GroupLayout,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton twin of `dre_reference.dequantize`; rows as for `quantize`."""
     out = torch.zeros(layout.numel, dtype=torch.float32, device=codes.device)
-    rows = layout.rows(TILE_GROUPS).to(codes.device)
+    if rows is None:
+        rows = layout.rows(TILE_GROUPS).to(codes.device)
     fmt = get_format(codes.dtype)
     if len(rows):
         _dequantize_kernel[(len(rows),)](codes.view(torch.uint8), meta, out, rows, layout.num_groups,

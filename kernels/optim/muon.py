@@ -20,9 +20,11 @@ Shared with CoatFP8AdamW (coat_kernels.optim.base): the COAT options, state entr
 exp_avg_sq keys), validation, state dicts, pickling, the non-finite policy: a Muon matrix whose gradient holds NaN/Inf
 keeps its parameter and momentum (all its quantization groups count as skipped: Newton-Schulz mixes the whole
 matrix). `torch_format_state_dict`: Muon groups' momentum as torch.optim.Muon's `momentum_buffer`, which
-`load_state_dict` also takes. Newton-Schulz runs in torch on the parameter's device; the momentum is (de)quantized by
-the Triton kernels on CUDA, the torch reference elsewhere. Engines must hand Muon groups whole matrices (no ZeRO
-partitions: `param_segments` must say None for them).
+`load_state_dict` also takes. Newton-Schulz runs in torch on the parameter's device, one matrix at a time; the momenta
+of a group's matrices are (de)quantized together (coat_kernels.optim.moment_batch: one call each way per batch of
+matrices), by the Triton kernels on CUDA, the torch reference elsewhere; a step makes no host synchronisation on the
+Triton path. Engines must hand Muon groups whole matrices (no ZeRO partitions: `param_segments` must say None for
+them).
 
 state_dtype="fp32" or "bf16" (default "fp8"): the reference arm, moments unquantized in that dtype
 (coat_kernels.optim.unquantized): with "fp32" a Muon group's step is torch.optim.Muon's.
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import dre_reference, unquantized, validation
+from . import moment_batch, unquantized, validation
 from . import state as coat_state
 from .adamw import run_adamw_batch
 from .base import CoatFP8Optimizer, coat_config
@@ -161,22 +163,39 @@ class CoatFP8Muon(CoatFP8Optimizer):
     def _run_batch(self, group: dict, key: tuple, items: list, cfg: OptimizerConfig) -> None:
         if not group["use_muon"]:
             return run_adamw_batch(self, key, items, cfg)
-        m_cfg = cfg.moment_configs()[0]
-        counter = self._counter(key[1])
-        for p, grad, st, layout, h in items:
+        for p, *_ in items:
             if p.dim() != 2:
                 raise RuntimeError(f"CoatFP8Muon needs whole 2-D matrices in Muon groups, got a tensor of shape "
                                    f"{tuple(p.shape)} (a ZeRO partition or shard?)")
-            quantize = _quantizer(key[0])
-            m = _dequantize(key[0], st["exp_avg_q"], st["exp_avg_meta"], layout).view(p.shape)
-            finite = torch.isfinite(grad).all()
-            m, new_p = muon_update(p, grad, m, h)
-            codes, meta = quantize(m.reshape(-1), layout, m_cfg)
-            p.copy_(torch.where(finite, new_p, p))
-            st["exp_avg_q"].view(torch.uint8).copy_(torch.where(finite, codes.view(torch.uint8),
-                                                                st["exp_avg_q"].view(torch.uint8)))
-            st["exp_avg_meta"].copy_(torch.where(finite, meta, st["exp_avg_meta"]))
-            counter.add_((~finite).int() * layout.num_groups)
+        counter = self._counter(key[1])
+        layouts = [it[3] for it in items]
+        for indices in moment_batch.batches(layouts):
+            batch_items = [items[i] for i in indices]
+            counter.add_(self._run_muon_batch(key, batch_items, cfg.moment_configs()[0]))
+
+    def _run_muon_batch(self, key: tuple, items: list, m_cfg) -> torch.Tensor:
+        """Muon steps of `items` with their momenta (de)quantized in one call each (a MomentBatch, kept per list of
+        layouts); no host synchronisation. Returns the skipped groups (int32, 0-dim, on the device)."""
+        use_triton, device = key[0], key[1]
+        cache_key = ("muon", use_triton, device) + tuple(id(it[3]) for it in items)
+        batch = self._launchers.get(cache_key)
+        if batch is None:
+            batch = self._launchers[cache_key] = moment_batch.MomentBatch([it[3] for it in items], device, use_triton)
+        states = [it[2] for it in items]
+        momenta = batch.dequantize([st["exp_avg_q"] for st in states], [st["exp_avg_meta"] for st in states])
+        finite, new_momenta = [], []
+        for (p, grad, _, _, h), m in zip(items, momenta):
+            ok = torch.isfinite(grad).all()
+            m, new_p = muon_update(p, grad, m.view(p.shape), h)
+            torch.where(ok, new_p, p, out=p)
+            finite.append(ok)
+            new_momenta.append(m)
+        codes, metas = batch.quantize(new_momenta, m_cfg)
+        for st, ok, new_codes, new_meta in zip(states, finite, codes, metas):
+            stored = st["exp_avg_q"].view(torch.uint8)
+            torch.where(ok, new_codes.view(torch.uint8), stored, out=stored)
+            torch.where(ok, new_meta, st["exp_avg_meta"], out=st["exp_avg_meta"])
+        return batch.skipped(finite)
 
     def set_fp32_moments(self, p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor | None = None,
                          step: float | None = None) -> None:
@@ -254,20 +273,6 @@ def _from_torch_muon(entry):
     renamed = {("exp_avg" if k == TORCH_BUFFER else k): v for k, v in entry.items()}
     renamed.setdefault("step", torch.tensor(0.0))
     return renamed
-
-
-def _quantizer(use_triton: bool):
-    if use_triton:
-        from . import dre_triton
-        return dre_triton.quantize
-    return dre_reference.quantize
-
-
-def _dequantize(use_triton: bool, codes, meta, layout):
-    if use_triton:
-        from . import dre_triton
-        return dre_triton.dequantize(codes, meta, layout)
-    return dre_reference.dequantize(codes, meta, layout)
 
 
 def _check_muon(group: dict) -> None:

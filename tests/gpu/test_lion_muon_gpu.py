@@ -1,7 +1,8 @@
 """CoatFP8Lion's fused Triton step gives the torch reference's bits on the same GPU (parameters, codes, metadata,
 skipped groups; fp32 and bf16 parameters, fp32 / bf16 / fp16 gradients, ragged segments and group size 32, NaN and
 Inf gradient groups), and the optimizers on CUDA: CoatFP8Lion backend="auto" == backend="torch" bit for bit over
-several steps, CoatFP8Muon with fp32 state == torch.optim.Muon on the GPU, FP8 Muon tracking it."""
+several steps, CoatFP8Muon with fp32 state == torch.optim.Muon on the GPU, FP8 Muon tracking it; the FP8 Muon step
+(Triton-batched momenta) == its torch reference bit for bit, without host synchronisation."""
 import pytest
 import torch
 
@@ -77,3 +78,36 @@ def test_muon_fp32_state_is_torch_muon_on_cuda_and_fp8_tracks_it():
     torch.testing.assert_close(ref_w, oracle_w, rtol=1e-6, atol=1e-7)
     assert (fp8_w - oracle_w).abs().max() < 0.02 * (oracle_w - w).abs().max()
     assert fp8.state_bytes() / w.numel() < 1.11
+
+
+def test_fp8_muon_step_on_cuda_is_the_reference_and_never_waits_on_the_host(monkeypatch):
+    """Triton-batched momenta (several batches) = the torch reference bit for bit; after the first step (which builds
+    the batches' kernel rows) a step makes no host synchronisation."""
+    from coat_kernels.optim import moment_batch
+
+    monkeypatch.setattr(moment_batch, "MAX_BATCH_NUMEL", 600_000)
+
+    def run(backend, steps):
+        torch.manual_seed(5)
+        params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in ((512, 384), (300, 700), (1024, 256))]
+        opt = CoatFP8Muon(params, lr=0.02, backend=backend)
+        gen = torch.Generator(device="cuda").manual_seed(6)
+        grads = [[torch.randn(p.shape, device="cuda", generator=gen) for p in params] for _ in range(steps)]
+        grads[1][1][5, 5] = float("nan")
+        for step, step_grads in enumerate(grads):
+            for p, g in zip(params, step_grads):
+                p.grad = g
+            if step >= 1 and backend == "auto":
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return params, opt
+
+    (fused, opt), (reference, ref_opt) = run("auto", 4), run("torch", 4)
+    assert all(same_bits(p, q) for p, q in zip(fused, reference))
+    for p, q in zip(fused, reference):
+        assert same_bits(opt.state[p]["exp_avg_q"], ref_opt.state[q]["exp_avg_q"])
+        assert same_bits(opt.state[p]["exp_avg_meta"], ref_opt.state[q]["exp_avg_meta"])
+    assert opt.skipped_groups == ref_opt.skipped_groups == 300 * 700 // 128 + 1
