@@ -23,10 +23,12 @@ import logging
 
 import torch
 
+from coat_kernels.optim.base import CoatFP8Optimizer
+
 from . import patch_sites
 from .graph_pool_step import lend_graph_pool_to_steps
 from .model_snapshot import ModelSnapshot
-from .optimizer import OPTIMIZER_NAME, CoatFP8AdamW
+from .optimizer import OPTIMIZER_NAME
 
 logger = logging.getLogger("coat_ds")
 
@@ -77,14 +79,14 @@ def convert_for_section(model, ds_config: dict | None, config_class) -> bool:
 
 
 def finish_engine(engine) -> None:
-    """Link a ZeRO-1/2 CoatFP8AdamW's parameters to their optimizer; tie a converted model's runtime to the engine's
-    optimizer; ZeRO-3: register the parameters COAT reads."""
+    """Link the parameters of a ZeRO-1/2 COAT optimizer (CoatFP8AdamW, CoatFP8Lion) to it; tie a converted model's
+    runtime to the engine's optimizer; ZeRO-3: register the parameters COAT reads."""
     from coat_hf import coat_runtime
     from coat_hf.causal_lm import CoatCausalLM
     from coat_hf.decoder import CoatDecoderLayer
 
     wrapper = getattr(engine, "optimizer", None)
-    if isinstance(getattr(engine, "basic_optimizer", None), CoatFP8AdamW) and \
+    if isinstance(getattr(engine, "basic_optimizer", None), CoatFP8Optimizer) and \
             hasattr(wrapper, "_create_optimizer_mapping"):
         # DeepSpeed's own link from each parameter to its ZeRO-1/2 optimizer (made by DeepSpeed only with CPU
         # offload): coat_ds.full_optimizer_state finds the FP8 states through it

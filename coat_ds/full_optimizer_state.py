@@ -1,11 +1,14 @@
-"""DeepSpeed's per-parameter optimizer-state API for CoatFP8AdamW: fp32 moments out, fp32 moments in.
+"""DeepSpeed's per-parameter optimizer-state API for the COAT optimizers (CoatFP8AdamW, CoatFP8Lion; CoatFP8Muon
+runs on ZeRO-0 only, where DeepSpeed links no parameter to a partition: use `optimizer.fp32_moments(p)` there): fp32
+moments out, fp32 moments in.
 
 `deepspeed.utils.safe_get_full_optimizer_state(param, key)` and its siblings look for fp32 state tensors shaped like
-the flat partition; CoatFP8AdamW keeps FP8 codes and per-group metadata instead. `install()` (run by
+the flat partition; the COAT optimizers keep FP8 codes and per-group metadata instead. The keys are the optimizer's
+moments: "exp_avg" and "exp_avg_sq" for CoatFP8AdamW, "exp_avg" (the momentum) for CoatFP8Lion. `install()` (run by
 `register_with_deepspeed`) wraps the four functions in `deepspeed.utils` and `deepspeed.utils.tensor_fragment`
 (coat_ds.patch_sites.GET_FULL_STATE, ...):
 
-- `safe_get_full_optimizer_state(param, "exp_avg" | "exp_avg_sq")`: the parameter's fp32 moment, assembled from the
+- `safe_get_full_optimizer_state(param, key)`: the parameter's fp32 moment, assembled from the
   ranks' partitions (a collective, as in DeepSpeed). The values quantize back to the codes they came from, so
   `safe_set_full_optimizer_state(param, safe_get_full_optimizer_state(param, key), key)` changes nothing.
 - `safe_set_full_optimizer_state(param, value, key)`: each rank writes its fragment of `value` (fp32, finite, the
@@ -28,12 +31,11 @@ import functools
 
 import torch
 
-from coat_kernels.optim import state as coat_state
+from coat_kernels.optim.base import CoatFP8Optimizer
 
 from . import patch_sites
-from .optimizer import CoatFP8AdamW
 
-MOMENT_KEYS = coat_state.MOMENTS
+KEYS_HELP = "'exp_avg' and 'exp_avg_sq' (CoatFP8AdamW) or 'exp_avg' (CoatFP8Lion, CoatFP8Muon)"
 
 
 def install() -> None:
@@ -45,11 +47,11 @@ def install() -> None:
 
 # ---- ZeRO-1/2: parameters with a fragment table (`_hp_mapping`) --------------------------------------------------
 def _coat_zero12(param):
-    """(DeepSpeedZeroOptimizer, CoatFP8AdamW, flat fp32 partition) when this rank holds a fragment of `param` stepped
-    by CoatFP8AdamW, else None."""
+    """(DeepSpeedZeroOptimizer, COAT optimizer, flat fp32 partition) when this rank holds a fragment of `param`
+    stepped by a COAT optimizer, else None."""
     mapping = getattr(param, "_hp_mapping", None)
     wrapper = getattr(param, "_zero_optimizer", None)
-    if mapping is None or wrapper is None or not isinstance(wrapper.optimizer, CoatFP8AdamW):
+    if mapping is None or wrapper is None or not isinstance(wrapper.optimizer, CoatFP8Optimizer):
         return None
     return wrapper, wrapper.optimizer, wrapper.single_partition_of_fp32_groups[mapping.param_group_index]
 
@@ -70,8 +72,8 @@ def _get_full_zero12(param, key):
             buffer.narrow(0, lp.start, lp.numel).copy_(fragment.reshape(-1))
     dist.all_reduce(buffer, group=param._dp_group)
     if buffer[-1].item() > 0:
-        raise ValueError(f"optimizer state {key!r} not found for this parameter; CoatFP8AdamW's per-parameter states "
-                         f"are {list(MOMENT_KEYS)}")
+        raise ValueError(f"optimizer state {key!r} not found for this parameter; the COAT optimizers' per-parameter "
+                         f"states are {KEYS_HELP}")
     return buffer[:-1].reshape_as(param)
 
 
@@ -81,26 +83,24 @@ def _fragment_value(param, mapping, key):
     if coat is None:
         return mapping.get_hp_fragment(key)  # DeepSpeed's own lookup (ValueError for an unknown key)
     _, optimizer, flat = coat
-    _check_key(key)
     hp = mapping.get_hp_fragment_address()
-    return optimizer.fp32_moments(flat)[key].narrow(0, hp.start, hp.numel)
+    return _moments(optimizer, flat, key)[key].narrow(0, hp.start, hp.numel)
 
 
 def _set_full_zero12(param, value, key):
     _, optimizer, flat = _coat_zero12(param)
-    _check_key(key)
     mapping = param._hp_mapping
     hp, lp = mapping.get_hp_fragment_address(), mapping.lp_fragment_address
-    moments = optimizer.fp32_moments(flat)
+    moments = _moments(optimizer, flat, key)
     moments[key].narrow(0, hp.start, hp.numel).copy_(value.reshape(-1).narrow(0, lp.start, lp.numel))
-    optimizer.set_fp32_moments(flat, moments["exp_avg"], moments["exp_avg_sq"])
+    optimizer.set_fp32_moments(flat, **moments)
 
 
 # ---- ZeRO-3: partitioned parameters (`ds_id`) ---------------------------------------------------------------------
 def _coat_zero3(param):
-    """The ZeRO-3 wrapper when `param` is stepped by CoatFP8AdamW under it, else None."""
+    """The ZeRO-3 wrapper when `param` is stepped by a COAT optimizer under it, else None."""
     wrapper = getattr(param, "_z3_optimizer", None) if hasattr(param, "ds_id") else None
-    return wrapper if wrapper is not None and isinstance(wrapper.optimizer, CoatFP8AdamW) else None
+    return wrapper if wrapper is not None and isinstance(wrapper.optimizer, CoatFP8Optimizer) else None
 
 
 def _zero3_partition(wrapper, param):
@@ -112,21 +112,19 @@ def _zero3_partition(wrapper, param):
 def _get_local_zero3(wrapper, param, key):
     from deepspeed.accelerator import get_accelerator
 
-    _check_key(key)
     if not get_accelerator().resolves_data_dependency():
         wrapper.reduce_and_partition_stream.synchronize()
     flat, offset, numel = _zero3_partition(wrapper, param)
-    local = wrapper.optimizer.fp32_moments(flat)[key].narrow(0, offset, numel)
+    local = _moments(wrapper.optimizer, flat, key)[key].narrow(0, offset, numel)
     return local.to(get_accelerator().current_device_name())
 
 
 def _set_local_zero3(wrapper, param, key, write):
     """Apply `write(fp32 partition view of the moment)` and quantize the sub-group's moments again."""
-    _check_key(key)
     flat, offset, numel = _zero3_partition(wrapper, param)
-    moments = wrapper.optimizer.fp32_moments(flat)
+    moments = _moments(wrapper.optimizer, flat, key)
     write(moments[key].narrow(0, offset, numel))
-    wrapper.optimizer.set_fp32_moments(flat, moments["exp_avg"], moments["exp_avg_sq"])
+    wrapper.optimizer.set_fp32_moments(flat, **moments)
 
 
 # ---- the wrapped DeepSpeed functions (first argument: DeepSpeed's original) ----------------------------------------
@@ -182,9 +180,12 @@ def set_local(original, param, value, optim_state_key):
     _set_local_zero3(wrapper, param, optim_state_key, lambda partition: partition.copy_(value.reshape(-1)))
 
 
-def _check_key(key):
-    if key not in MOMENT_KEYS:
-        raise ValueError(f"CoatFP8AdamW's per-parameter optimizer states are {list(MOMENT_KEYS)}, not {key!r}")
+def _moments(optimizer, flat, key) -> dict:
+    """The fp32 moments of `flat` ({moment: flat fp32}); ValueError when `key` is not one of them."""
+    moments = optimizer.fp32_moments(flat)
+    if key not in moments:
+        raise ValueError(f"{optimizer.NAME}'s per-parameter optimizer states are {list(moments)}, not {key!r}")
+    return moments
 
 
 def _check_value(value, numel, what):

@@ -1,14 +1,17 @@
 """One rank of the CoatFP8Lion / CoatFP8Muon DeepSpeed job (2 gloo ranks on the CPU): Lion from the ds_config on
-ZeRO-1 and ZeRO-2, a ZeRO-2 checkpoint resumed bit for bit; Muon on ZeRO-0 with its param groups, and refused on
-ZeRO-2 with the reason."""
+ZeRO-1 and ZeRO-2, a ZeRO-2 checkpoint resumed bit for bit, Lion's ZeRO-2 state through DeepSpeed's per-parameter
+state functions and a universal checkpoint (ds_lion_universal_job); Muon on ZeRO-0 with its param groups, and refused
+on ZeRO-2 with the reason."""
 import torch
 
 import ds_helpers as H
 import ds_job
+import ds_lion_universal_job
 
 
 def lion_muon_worker(rank, world, rendezvous, ck_dir):
     H.start_rank(rank, world, rendezvous)
+    ds_lion_universal_job.save_convert_load(rank, world, ck_dir)
     import deepspeed
 
     import coat_ds  # noqa: F401
