@@ -7,9 +7,10 @@ one initialisation, on the same batches of the Python standard library's sources
 
 At the end: one table (validation loss and perplexity of both, the relative gap, tokens/s, optimizer-state bytes, bytes
 saved for backward measured on one micro-batch, peak GPU memory on a GPU) and a PNG of the curves, both in --out.
-On a CPU-only machine a small default finishes both arms in under three minutes on two cores, one of them busy with
-other work (the torch references of the FP8 kernels and CoatFP8AdamW's C++ step, on as many threads as there are idle
-cores: launch.cpu_threads); with a GPU a bigger default and the Triton kernels.
+On a CPU-only machine a small default (the torch references of the FP8 kernels and CoatFP8AdamW's C++ step, on as many
+threads as there are idle cores: launch.cpu_threads): both arms in under three minutes on two cores with one busy
+where the CPU has bf16 instructions, about 15 minutes on an AVX2-only one, where the BF16 arm's bf16 GEMMs take most
+of it (BENCHMARKS.md); with a GPU a bigger default and the Triton kernels.
 
     python -m launch.main [--steps N] [--device cpu|cuda] [--out runs/main] [--size small|gpu|parity] [--stdlib DIR]
 """
@@ -29,7 +30,7 @@ import torch
 from launch import corpus as corpus_lib
 
 SIZES = {  # model and run defaults
-    # the CPU default: both arms in under three minutes on two cores with one of them busy elsewhere
+    # the CPU default: both arms in under three minutes on two cores with one busy, on a CPU with bf16 instructions
     "small": dict(hidden=128, layers=4, heads=4, kv_heads=2, ffn=352, vocab=4096, seq=128, batch=8, steps=200,
                   lr=3e-3, eval_every=40, eval_batches=16),
     "gpu": dict(hidden=768, layers=12, heads=12, kv_heads=4, ffn=2048, vocab=8192, seq=1024, batch=8, steps=600,
@@ -261,10 +262,19 @@ def main(argv=None):
         results.append(run_arm(ARMS[arm], model, optimizer, batches, val_batches, args, device,
                                not args.no_progress))
         del model, optimizer
-    report(results, args, device, n_params)
+    report(results, args, device, n_params, describe_machine(device, threads, time.time() - t0))
 
 
-def report(results, args, device, n_params):
+def describe_machine(device, threads, seconds) -> dict:
+    """What results.json records besides the arguments: the device, on a CPU the threads, why (the idle cores
+    measured at start) and the load average at the end; the whole job's wall time (launch.main_table reads it)."""
+    if device.type == "cuda":
+        return {"device": torch.cuda.get_device_name(device), "seconds": seconds}
+    return {"device": "cpu", "cpu": torch.backends.cpu.get_cpu_capability(), "threads": threads.threads,
+            "threads_reason": threads.reason, "load_average_at_end": list(os.getloadavg()), "seconds": seconds}
+
+
+def report(results, args, device, n_params, machine):
     bf16, coat = results
     gap = (coat.val[-1][1] - bf16.val[-1][1]) / bf16.val[-1][1] * 100
     lines = ["| | BF16 + AdamW | COAT (FP8 activations + CoatFP8AdamW) |", "|---|---|---|"]
@@ -293,7 +303,8 @@ def report(results, args, device, n_params):
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table + "\n")
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(dict(args=vars(args), results=[asdict(r) for r in results]), f, indent=1)
+        json.dump(dict(args=vars(args), parameters=n_params, machine=machine, results=[asdict(r) for r in results]),
+                  f, indent=1)
     plot(results, os.path.join(args.out, "curves.png"))
 
 
