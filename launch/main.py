@@ -8,9 +8,9 @@ one initialisation, on the same batches of the Python standard library's sources
 At the end: one table (validation loss and perplexity of both, the relative gap, tokens/s, optimizer-state bytes, bytes
 saved for backward measured on one micro-batch, peak GPU memory on a GPU) and a PNG of the curves, both in --out.
 On a CPU-only machine a small default (the torch references of the FP8 kernels and CoatFP8AdamW's C++ step, on as many
-threads as there are idle cores: launch.cpu_threads): both arms in under three minutes on two cores with one busy
-where the CPU has bf16 instructions, about 15 minutes on an AVX2-only one, where the BF16 arm's bf16 GEMMs take most
-of it (BENCHMARKS.md); with a GPU a bigger default and the Triton kernels.
+threads as there are idle cores: launch.cpu_threads): both arms in about 15 minutes on two cores of an AVX2-only
+CPU with one busy, most of it the BF16 arm's bf16 GEMMs (BENCHMARKS.md); with a GPU a bigger default and the Triton
+kernels.
 
     python -m launch.main [--steps N] [--device cpu|cuda] [--out runs/main] [--size small|gpu|parity] [--stdlib DIR]
 """
@@ -30,7 +30,7 @@ import torch
 from launch import corpus as corpus_lib
 
 SIZES = {  # model and run defaults
-    # the CPU default: both arms in under three minutes on two cores with one busy, on a CPU with bf16 instructions
+    # the CPU default: a 1.8M-parameter Llama, 200 steps (both arms: BENCHMARKS.md's main-job table)
     "small": dict(hidden=128, layers=4, heads=4, kv_heads=2, ffn=352, vocab=4096, seq=128, batch=8, steps=200,
                   lr=3e-3, eval_every=40, eval_batches=16),
     "gpu": dict(hidden=768, layers=12, heads=12, kv_heads=4, ffn=2048, vocab=8192, seq=1024, batch=8, steps=600,
