@@ -48,7 +48,7 @@ class MegatronCoatFP8AdamW(CoatFP8AdamW):
     def __init__(self, param_groups, *, param_offsets=None, torch_format_state_dict=False, decoupled_grads=False,
                  **coat_options):
         self._param_offsets = dict(param_offsets or {})
-        self.torch_format_state_dict = torch_format_state_dict
+        self.saves_torch_format = torch_format_state_dict  # (the base class's torch_format_state_dict is a method)
         self.decoupled_grads = decoupled_grads
         first = param_groups[0]
         super().__init__(param_groups, lr=first["lr"], betas=first["betas"], eps=first["eps"],
@@ -81,7 +81,7 @@ class MegatronCoatFP8AdamW(CoatFP8AdamW):
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     def state_dict(self):
-        sd = self.torch_adamw_state_dict() if self.torch_format_state_dict else super().state_dict()
+        sd = self.torch_format_state_dict() if self.saves_torch_format else super().state_dict()
         # One step per group, as TE FusedAdam has it: Megatron reads it there when TE or apex is installed.
         for saved, group in zip(sd["param_groups"], self.param_groups):
             steps = {float(self.state[p]["step"]) for p in group["params"] if "step" in self.state[p]}
