@@ -2,8 +2,8 @@
 Hugging Face models on them. Checked on CPU: Dynamo's graph breaks against the BF16 model, compiled loss and
 gradients against eager COAT (bit-exact: the ops run the same kernels, and eager's weight cache and gradient-amax
 hand-off change no value; those models use eager attention, see EXACT_ATTENTION), every block under dynamic shapes
-(torch backend; the Triton kernels' on the GPU), the fake implementations (torch.library.opcheck on each op as the blocks call it), one decoder layer compiled by
-Inductor, and the Trainer's torch_compile=True."""
+(torch backend; the Triton kernels' on the GPU), the fake implementations (torch.library.opcheck on each op as the
+blocks call it), one decoder layer compiled by Inductor, and the Trainer's torch_compile=True."""
 import warnings
 
 import pytest
