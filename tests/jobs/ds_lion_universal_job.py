@@ -1,11 +1,11 @@
 """CoatFP8Lion's ZeRO-2 state through DeepSpeed's per-parameter state functions and universal checkpoints (CPU, gloo).
 
 `save_convert_load` (2 ranks, in ds_lion_muon_job's worker): train, check `safe_get_full_optimizer_state` /
-`safe_set_full_optimizer_state` on the momentum (and a clear error for "exp_avg_sq"), save, record the full fp32
-weights and momenta and the run's next steps; rank 0 converts the checkpoint (coat_ds.to_universal); both load it (`load_worker`'s checks).
-`load_worker` (2 ranks or 1): load the universal checkpoint: weights and momenta exact, no second moment; at 2 ranks
-the next steps give the uninterrupted run's losses and partition bit for bit; at 1 rank the next loss is the saved
-run's and a step re-quantizes the momentum on the new layout."""
+`safe_set_full_optimizer_state` on the momentum (and a clear error for "exp_avg_sq"), save, record the full fp32 weights
+and momenta and the run's next steps; rank 0 converts the checkpoint (coat_ds.to_universal); both load it
+(`load_worker`'s checks). `load_worker` (2 ranks or 1): load the universal checkpoint: weights and momenta exact, no
+second moment; at 2 ranks the next steps give the uninterrupted run's losses and partition bit for bit; at 1 rank the
+next loss is the saved run's and a step re-quantizes the momentum on the new layout."""
 import os
 
 import torch
