@@ -32,8 +32,11 @@ FAMILIES = {"llama": (LlamaForCausalLM, LlamaConfig, {}), "mistral": (MistralFor
             "gemma3_text": (Gemma3ForCausalLM, Gemma3TextConfig,
                             {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
                              "layer_types": ["sliding_attention", "full_attention"]})}
-# FP8 GEMMs (E4M3 forward, E5M2 gradients) against BF16 on a 2-layer model at random init
-LOSS_REL, GRAD_REL = 0.01, 0.3
+# FP8 GEMMs (E4M3 forward, E5M2 gradients) against BF16 on a 2-layer model at random init. Measured worst cases:
+# loss 8.5e-4 relative (OLMo-2); gradients 0.12 (Llama, Mistral, Qwen2) to 0.28 (OLMo-2's k_norm): at random init
+# the q/k projections' and q/k norms' gradients are small sums through a near-uniform softmax, and E5M2 (two mantissa
+# bits: up to 12.5% per element) dominates them, so no tighter bound holds for every family
+LOSS_REL, GRAD_REL = 0.003, 0.3
 
 
 def tiny(family, **extra):
