@@ -319,3 +319,31 @@ def test_groups_exported_inexactly_are_reported(monkeypatch):
     with pytest.warns(RuntimeWarning, match="2 of 8 exp_avg groups have no fp32 values"):
         reported = state.to_fp32(opt.state[p], m_cfg, v_cfg)
     assert all(torch.equal(reported[k], exact[k]) for k in exact)
+
+
+def test_random_segment_tables_keep_every_group_on_its_parameters_grid():
+    """Properties on 300 random segment tables (ordered runs of a flat buffer, each at a random offset of its
+    parameter, as ZeRO partitions cut them): the groups tile exactly the segments' elements, in order; none crosses
+    a segment's edge or a multiple of the group size in its parameter's coordinates; and none could be longer (each
+    group ends at such a boundary)."""
+    g = torch.Generator().manual_seed(5)
+    for _ in range(300):
+        group = int(torch.randint(1, 9, (1,), generator=g)) * 16
+        segments, flat = [], int(torch.randint(0, 40, (1,), generator=g))
+        for _ in range(int(torch.randint(1, 6, (1,), generator=g))):
+            length = int(torch.randint(1, 4 * group, (1,), generator=g))
+            offset = int(torch.randint(0, 5 * group, (1,), generator=g))
+            segments.append((flat, length, offset))
+            flat += length + int(torch.randint(0, 30, (1,), generator=g))
+        numel = flat + int(torch.randint(0, 30, (1,), generator=g))
+        starts, lengths = build_layout(segments, numel, group).group_bounds()
+        groups = list(zip(starts.tolist(), lengths.tolist()))
+        expected_elements = [i for s, n, _ in segments for i in range(s, s + n)]
+        assert [i for s, n in groups for i in range(s, s + n)] == expected_elements
+        for start, length in groups:
+            seg_start, seg_len, offset = next(seg for seg in segments if seg[0] <= start < seg[0] + seg[1])
+            assert start + length <= seg_start + seg_len  # inside one segment
+            first = offset + start - seg_start  # the group's first element in its parameter's coordinates
+            assert first // group == (first + length - 1) // group  # one grid cell of the parameter
+            ends_segment = start + length == seg_start + seg_len
+            assert ends_segment or (first + length) % group == 0  # maximal
