@@ -12,6 +12,7 @@ as they were (nonfinite="error" aside: it raises after the step, naming the skip
 """
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -50,7 +51,7 @@ def coat_config(name: str, config, options: dict, hyper_names: tuple, torch_defa
     return (config or DEFAULTS).replace(**coat)
 
 
-class CoatFP8Optimizer(torch.optim.Optimizer):
+class CoatFP8Optimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     NAME = "CoatFP8Optimizer"  # how messages name the optimizer
 
     def __init__(self, params, defaults: dict, config: OptimizerConfig):
@@ -60,22 +61,22 @@ class CoatFP8Optimizer(torch.optim.Optimizer):
         self._skipped: dict[torch.device, torch.Tensor] = {}
 
     # ---- what a subclass defines ----------------------------------------------------------------------------
+    @abc.abstractmethod
     def moments_of(self, group: dict) -> tuple[str, ...]:
         """The moments the entries of `group` keep (state.MOMENTS or state.MOMENTUM)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _check_group(self, group: dict) -> None:
         """TypeError / ValueError for a group's hyper-parameters that a step cannot use."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _group_scalars(self, group: dict, step: float):
         """The (hashable) per-tensor constants of a step of `group` for a tensor at step count `step` (from 1)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _run_batch(self, group: dict, key: tuple, items: list, cfg: OptimizerConfig) -> None:
         """Step `items` ((param, grad, entry, layout, scalars) sharing the kernel key `key`: use Triton, device,
         param dtype, grad dtype, group size, remainder[, scalars]) and count their skipped groups."""
-        raise NotImplementedError
 
     def _check_saved_group(self, saved: dict, where: str) -> None:
         """StateError / ValueError for a saved param group this optimizer cannot continue (load_state_dict)."""

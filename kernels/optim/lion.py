@@ -29,7 +29,7 @@ from .lion_reference import LionScalars
 NO_TORCH_OPTIONS = {"foreach": None, "fused": None, "maximize": False, "capturable": False, "differentiable": False}
 
 
-class CoatFP8Lion(CoatFP8Optimizer):
+class CoatFP8Lion(unquantized.ReferenceArm, CoatFP8Optimizer):
     NAME = "CoatFP8Lion"
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, state_dtype: str = "fp8",
@@ -59,11 +59,6 @@ class CoatFP8Lion(CoatFP8Optimizer):
     def set_fp32_moments(self, p: torch.Tensor, exp_avg: torch.Tensor, step: float | None = None) -> None:
         """Replace p's momentum by these fp32 values (p's numel, any shape; finite), quantized now on p's groups."""
         self._set_fp32_moments(p, {"exp_avg": exp_avg}, step)
-
-    def step(self, closure=None):
-        if self._unquantized is None:
-            return super().step(closure)
-        return unquantized.run_step(self, closure, self._unquantized_step)
 
     def _unquantized_step(self, group, p, grad, entry):
         self._check_group(group)

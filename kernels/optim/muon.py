@@ -99,7 +99,7 @@ def muon_param_groups(model: torch.nn.Module, **muon_options) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-class CoatFP8Muon(CoatFP8Optimizer):
+class CoatFP8Muon(unquantized.ReferenceArm, CoatFP8Optimizer):
     NAME = "CoatFP8Muon"
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
@@ -237,11 +237,6 @@ class CoatFP8Muon(CoatFP8Optimizer):
         unquantized.restore_dtypes(self, coat_state.MOMENTS, self._unquantized)
 
     # ---- the reference arm ---------------------------------------------------------------------------------------
-    def step(self, closure=None):
-        if self._unquantized is None:
-            return super().step(closure)
-        return unquantized.run_step(self, closure, self._unquantized_step)
-
     def _unquantized_step(self, group, p, grad, entry):
         self._check_group(group)
         moments = unquantized.buffers(entry, p, self.moments_of(group), self._unquantized)

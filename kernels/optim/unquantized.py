@@ -60,6 +60,19 @@ def adamw_step(p, g, exp_avg, exp_avg_sq, step: float, lr, beta1, beta2, eps, we
     exp_avg_sq.copy_(v)
 
 
+class ReferenceArm:
+    """The `state_dtype="fp32"` / `"bf16"` option of an FP8 optimizer (listed before it among the bases): with
+    `_unquantized` set (the moments' torch dtype), a step is `run_step` over the subclass's `_unquantized_step`;
+    without (FP8 state), the FP8 optimizer's own step."""
+
+    _unquantized: torch.dtype | None
+
+    def step(self, closure=None):
+        if self._unquantized is None:
+            return super().step(closure)
+        return run_step(self, closure, self._unquantized_step)
+
+
 def run_step(optimizer: torch.optim.Optimizer, closure, step_tensor) -> object:
     """An optimizer step over every parameter with a gradient: `step_tensor(group, p, grad, entry)` each."""
     loss = None
