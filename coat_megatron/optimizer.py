@@ -1,4 +1,4 @@
-"""CoatFP8AdamW under Megatron-core's optimizers (`--coat-optimizer`).
+"""CoatFP8AdamW under Megatron-core's optimizers (`--coat-optimizer`), and Megatron's Muon with FP8 momentum.
 
 Megatron builds its optimizer as a wrapper (DistributedOptimizer, Float16OptimizerWithFloat16Params or
 FP32Optimizer, inside a ChainedOptimizer) around an inner torch-style Adam. `use_coat_optimizer` replaces that
@@ -26,6 +26,10 @@ Megatron is copied: sharding, grad copies, clipping, the LR scheduler and zero_g
     parameters), `load_state_dict` quantizes fp32 moments it is given.
   The fp32 moments are exported so that they quantize back to the saved codes and metadata (coat_kernels.optim.
   exact_export): a run resumed at the same DP size continues bit for bit.
+- `--optimizer muon`: Megatron chains its TensorParallelMuon (2-D matrices, whole or tensor-parallel shards, in a
+  Float16/FP32 optimizer wrapper; under LayerWiseDistributedOptimizer each DP rank steps whole matrices) with Adam for
+  the rest. The Muon becomes CoatTensorParallelMuon (coat_megatron.muon: Megatron's own step, momentum in FP8), the
+  Adam wrappers get MegatronCoatFP8AdamW as above.
 """
 from __future__ import annotations
 
@@ -107,14 +111,26 @@ class MegatronCoatFP8AdamW(CoatFP8AdamW):
 
 # ---- Megatron's optimizer wrappers ---------------------------------------------------------------------------------
 def use_coat_optimizer(megatron_optimizer, **coat_options):
-    """Replace the inner Adam of every (chained) Megatron optimizer by MegatronCoatFP8AdamW; returns the argument.
+    """Replace the inner Adam of every (chained) Megatron optimizer by MegatronCoatFP8AdamW, and the inner Muon of
+    Megatron's `--optimizer muon` by CoatTensorParallelMuon (coat_megatron.muon: FP8 momentum); returns the argument.
 
-    coat_options: CoatFP8AdamW's COAT options (exp_avg_format, group_size, ...). Call right after
-    `get_megatron_optimizer`, before loading a checkpoint (a state already present is carried over).
+    coat_options: CoatFP8AdamW's COAT options (exp_avg_format, group_size, ...; Muon's momentum takes the exp_avg
+    ones and group_size). Call right after `get_megatron_optimizer` (or megatron-core 0.16/0.17's
+    `get_megatron_muon_optimizer`), before loading a checkpoint (a state already present is carried over).
     """
-    for wrapper in getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer]):
+    for wrapper in megatron_wrappers(megatron_optimizer):
         _swap_inner_optimizer(wrapper, coat_options)
     return megatron_optimizer
+
+
+def megatron_wrappers(megatron_optimizer) -> list:
+    """The Megatron optimizer wrappers (each around one inner torch optimizer) of a Megatron optimizer: itself, or
+    those of its chain, nested chains included (megatron-core 0.19 chains a LayerWiseDistributedOptimizer, itself a
+    chain, with distributed optimizers)."""
+    chained = getattr(megatron_optimizer, "chained_optimizers", None)
+    if chained is None:
+        return [megatron_optimizer]
+    return [wrapper for optimizer in chained for wrapper in megatron_wrappers(optimizer)]
 
 
 def _swap_inner_optimizer(wrapper, coat_options):
@@ -125,6 +141,8 @@ def _swap_inner_optimizer(wrapper, coat_options):
         return  # no trainable parameters on this rank
     if isinstance(inner, MegatronCoatFP8AdamW):
         return
+    if _is_megatron_muon(inner):
+        return _swap_inner_muon(wrapper, coat_options)
     _check_config(wrapper.config, inner, Adam)
     distributed = isinstance(wrapper, DistributedOptimizer)
     # Megatron hands the inner optimizer the bf16 shards and decoupled gradients (it keeps no fp32 main params)
@@ -151,10 +169,50 @@ def _swap_inner_optimizer(wrapper, coat_options):
         _bind_fp32_state_accessors(wrapper)
 
 
+def _is_megatron_muon(inner) -> bool:
+    """Megatron's TensorParallelMuon or a subclass of it (which `_swap_inner_muon` checks)."""
+    from .muon import TensorParallelMuon, have_megatron_muon
+
+    return have_megatron_muon() and isinstance(inner, TensorParallelMuon)
+
+
+def _swap_inner_muon(wrapper, coat_options):
+    """Megatron's Muon (inside a Float16OptimizerWithFloat16Params or FP32Optimizer: whole matrices, or their
+    tensor-parallel shards) -> CoatTensorParallelMuon, the same optimizer with its momentum in FP8."""
+    from megatron.core.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
+
+    from coat_kernels.optim import OptimizerConfig
+
+    from .muon import CoatTensorParallelMuon, TensorParallelMuon
+
+    inner = wrapper.optimizer
+    if isinstance(inner, CoatTensorParallelMuon):
+        return
+    problems = []
+    if type(inner) is not TensorParallelMuon:
+        problems.append(f"{type(inner).__name__} (COAT stores the momentum of Megatron's plain Muon, "
+                        "TensorParallelMuon; this one keeps more state)")
+    if not isinstance(wrapper, (Float16OptimizerWithFloat16Params, FP32Optimizer)):
+        problems.append(f"Muon inside {type(wrapper).__name__}")
+    if getattr(wrapper.config, "use_precision_aware_optimizer", False):
+        problems.append("--use-precision-aware-optimizer with --optimizer muon")
+    if problems:
+        raise ValueError("--coat-optimizer cannot be used with: " + "; ".join(problems))
+    options = {k: v for k, v in coat_options.items() if k != "master_remainders"}
+    wrapper.optimizer = CoatTensorParallelMuon.adopt(inner, OptimizerConfig(**options))
+    wrapper.init_state_fn = lambda opt, config=None: opt.initialize_state()
+
+
+# --optimizer values whose Adam COAT replaces: Adam's, and Muon's (megatron-core builds Muon's Adam part with the
+# Muon run's config; 0.16/0.17 rename it "adam" on the way, 0.18 on keep "muon", and "dist_muon" is the layer-wise
+# distributed spelling).
+ADAM_OPTIMIZER_NAMES = ("adam", "muon", "dist_muon")
+
+
 def _check_config(config, inner, megatron_adam):
     problems = []
-    if getattr(config, "optimizer", "adam") != "adam":
-        problems.append(f"--optimizer {config.optimizer}: COAT replaces Adam only")
+    if getattr(config, "optimizer", "adam") not in ADAM_OPTIMIZER_NAMES:
+        problems.append(f"--optimizer {config.optimizer}: COAT replaces Adam and Megatron's Muon only")
     if not getattr(config, "decoupled_weight_decay", True):
         problems.append("Adam with L2 weight decay (decoupled_weight_decay=False): CoatFP8AdamW is AdamW")
     if getattr(config, "use_precision_aware_optimizer", False):
@@ -213,5 +271,5 @@ def _bind_fp32_state_accessors(dist_opt):
 
 def optimizer_state_report(megatron_optimizer) -> dict:
     """This rank's inner optimizer state: bytes of all state tensors, elements stepped, bytes per element."""
-    wrappers = getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer])
+    wrappers = megatron_wrappers(megatron_optimizer)
     return state_report(w.optimizer for w in wrappers if getattr(w, "optimizer", None) is not None)
