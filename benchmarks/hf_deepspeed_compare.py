@@ -1,5 +1,7 @@
-"""Hugging Face Llama under DeepSpeed ZeRO-2 bf16, one process per arm, same data and seed: tokens/s, peak memory,
-a measured memory breakdown and loss curves, at one micro-batch and then at each arm's largest micro-batch.
+"""Hugging Face causal LMs under DeepSpeed ZeRO-2 (or 3) bf16, one process per arm, same data and seed: tokens/s, peak
+memory, a measured memory breakdown and loss curves, at one micro-batch and then at each arm's largest micro-batch.
+--model is one of launch/train_ds.py's MODELS (Llama shapes up to llama2-13b, olmo2-1b, gemma3-1b, tiny variants):
+each is built with its own transformers class, and the COAT arms convert it through the ds_config's "coat" section.
 
 Arms (each is `launch/train_ds.py` with a ds_config and, for the peers, one flag):
   bf16          "type": "AdamW" (torch fused)                     configs/ds_zero2_adamw_bf16.json
@@ -17,9 +19,11 @@ Arms (each is `launch/train_ds.py` with a ds_config and, for the peers, one flag
 The default --arms are the ones above the checkpointing and offload lines.
 
     python benchmarks/hf_deepspeed_compare.py [--model tinyllama-1b] [--micro-batch 8 | --micro-batches 1,2,4,8]
-        [--steps 30] [--curve-steps 200] [--curve-arms bf16,coat] [--arms ...] [--max-batch] [--out DIR]
+        [--steps 30] [--curve-steps 200] [--curve-arms bf16,coat] [--arms ARM[:MB],...] [--max-batch] [--out DIR]
         [--gpus N] [--zero-stage 2|3] [--data bigram|corpus] [--batching fixed|padded|packed] [--min-len N]
-        [--seed S] [--profile-step STEP] [--port-base P]
+        [--seed S] [--profile-step STEP] [--port-base P] [--time-budget S] [--max-micro-batch N]
+
+`--arms coat_ckpt:16,bf16_ckpt:4` gives an arm its own first micro-batch (default --micro-batch).
 
 --gpus N runs each arm on N ranks (data parallel, micro-batch per rank, so the global batch is N x micro-batch);
 --zero-stage overrides the configs' ZeRO stage (ZeRO-3 partitions the bf16 weights too). --batching padded / packed
@@ -29,8 +33,17 @@ of each micro-batch, or packed into rows with position ids restarting); tokens/s
 time in DIR/profile_<run>/. Peak reserved memory is what the caching allocator holds, CUDA-graph pools included (the
 per-layer graphs keep using memory they gave back to their pool, which "peak" no longer counts as allocated).
 
-Largest micro-batch: the first run's breakdown gives the memory held between steps and what a step adds per
-sequence; the predicted largest batch is run for a few steps, and on out-of-memory 10% smaller, until one fits.
+Largest micro-batch (--max-batch), after every arm's first run (arms in --arms order): a run's last step gives the
+memory held between steps (before its forward) and what forward + backward add per sequence (their peak over the
+held memory, divided by the micro-batch: fixed buffers counted in, so the prediction errs small); the optimizer
+step's own peak does not grow with the batch. The largest micro-batch whose forward + backward fit in
+--memory-fraction of the GPU (kept in results.json as "predicted_largest"; at most --max-micro-batch, below any
+micro-batch that ran out of memory) runs --max-batch-steps steps; on out-of-memory 10% smaller. A first run out of
+memory is repeated at half its micro-batch. Each arm gets at most --max-batch-tries runs after its first; a micro-batch
+below --max-batch-min-gain times the first run's runs nothing more (the first run counts as the arm's largest).
+Time: --time-budget S bounds the whole invocation (each run's timeout is what is left; a run killed at it, its
+process group with it, is an error row; no run starts with less than --min-run-time left), and DIR/results.json and
+DIR/results.md are rewritten after every run, so a call stopped from outside keeps what finished.
 Columns: tokens/s, its ratio to bf16 at the same micro-batch, the median step, the host time until forward and
 backward are issued (close to the step time when the host is the bottleneck), peak memory and its breakdown.
 Writes DIR/results.json, DIR/results.md, DIR/loss.png (matplotlib) and one log + CSV per run.
@@ -41,10 +54,16 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)  # run as a script: `launch` importable
+from launch.train_ds import MODELS  # noqa: E402
+
 ARMS = {
     "bf16": ("configs/ds_zero2_adamw_bf16.json", []),
     "bf16_compile": ("configs/ds_zero2_adamw_bf16.json", ["--compile-layers"]),
@@ -64,11 +83,47 @@ ARMS.update({
 })
 
 
-def run_arm(arm, args, micro_batch, steps, tag, port):
-    """One training process; returns its SUMMARY dict, or {"error": ...}."""
-    config, flags = ARMS[arm]
-    name = f"{arm}_mb{micro_batch}_{tag}" + (f"_g{args.gpus}" if args.gpus > 1 else "") + (
+class Clock:
+    """The invocation's time budget (--time-budget): how long the next run may take."""
+
+    def __init__(self, budget_s: float | None, run_timeout_s: float, min_run_s: float):
+        self.deadline = None if budget_s is None else time.monotonic() + budget_s
+        self.run_timeout_s, self.min_run_s = run_timeout_s, min_run_s
+
+    def timeout(self) -> float | None:
+        """Seconds the next run may take, or None when too little is left to start one."""
+        if self.deadline is None:
+            return self.run_timeout_s
+        left = self.deadline - time.monotonic()
+        return min(self.run_timeout_s, left) if left >= self.min_run_s else None
+
+
+def parse_arms(spec: str, micro_batch: int) -> list[tuple[str, int]]:
+    """`ARM[:MB],...` -> [(arm, first micro-batch)]; an unknown arm or a bad micro-batch is an error naming it."""
+    arms = []
+    for item in (a for a in spec.split(",") if a):
+        arm, sep, mb = item.partition(":")
+        if arm not in ARMS:
+            raise SystemExit(f"unknown arm {arm!r}; choose from {sorted(ARMS)}")
+        if sep and not (mb.isdigit() and int(mb) >= 1):
+            raise SystemExit(f"--arms {item}: the micro-batch after ':' must be a positive integer")
+        arms.append((arm, int(mb) if sep else micro_batch))
+    return arms
+
+
+def run_name(arm, args, micro_batch, tag):
+    return f"{arm}_mb{micro_batch}_{tag}" + (f"_g{args.gpus}" if args.gpus > 1 else "") + (
         f"_z{args.zero_stage}" if args.zero_stage else "") + ("" if args.batching == "fixed" else f"_{args.batching}")
+
+
+def run_arm(arm, args, micro_batch, steps, tag, port, clock):
+    """One training process; returns its SUMMARY dict, or {"error": ...} (with "oom" or "timeout" where it applies)."""
+    config, flags = ARMS[arm]
+    name = run_name(arm, args, micro_batch, tag)
+    timeout = clock.timeout()
+    if timeout is None:
+        print(f"== {name}: not run, the time budget is spent", flush=True)
+        return {"arm": arm, "micro_batch": micro_batch, "error": "not run: time budget spent", "skipped": True}
     log, csv = os.path.join(args.out, name + ".log"), os.path.join(args.out, name + ".csv")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.gpus), "--master_port",
            str(port), os.path.join(ROOT, "launch", "train_ds.py"), "--ds-config", os.path.join(ROOT, config),
@@ -80,21 +135,56 @@ def run_arm(arm, args, micro_batch, steps, tag, port):
            *(["--profile-step", str(args.profile_step), "--profile-out", os.path.join(args.out, "profile_" + name)]
              if args.profile_step else [])]
     print(f"== {name}: {' '.join(cmd)}", flush=True)
+    start = time.monotonic()
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=args.run_timeout)
+        returncode = run_process_group(cmd, f, timeout)
+    wall_s = time.monotonic() - start
     text = open(log).read()
     summary = next((json.loads(line[8:]) for line in text.splitlines() if line.startswith("SUMMARY ")), None)
     if summary is not None:
         curve = [tuple(float(v) for v in line.split(",")[:2]) for line in open(csv).read().splitlines()[1:]]
-        summary.update(arm=arm, micro_batch=micro_batch, csv=csv, curve=[(int(s), loss) for s, loss in curve])
+        summary.update(arm=arm, micro_batch=micro_batch, tag=tag, csv=csv,
+                       curve=[(int(s), loss) for s, loss in curve], wall_s=wall_s)
         print(f"   {summary['tokens_per_s']:,.0f} tokens/s, peak {max(summary['peak_memory_gib']):.2f} GiB "
               f"(reserved {max(summary.get('peak_reserved_gib') or [0]):.2f}), "
-              f"final loss {summary['final_loss']:.4f}", flush=True)
+              f"final loss {summary['final_loss']:.4f}, {wall_s:.0f} s", flush=True)
         return summary
     oom = "OutOfMemoryError" in text or "CUDA out of memory" in text
-    error = "out of memory" if oom else f"exit {proc.returncode}: " + " | ".join(text.strip().splitlines()[-3:])
-    print(f"   {error}", flush=True)
-    return {"arm": arm, "micro_batch": micro_batch, "error": error, "oom": oom}
+    if returncode is None:
+        done = max(0, len(open(csv).read().splitlines()) - 1) if os.path.exists(csv) else 0
+        error = f"timeout after {timeout:.0f} s ({done} of {steps} steps done)"
+    else:
+        error = "out of memory" if oom else f"exit {returncode}: " + " | ".join(text.strip().splitlines()[-3:])
+    print(f"   {error} ({wall_s:.0f} s)", flush=True)
+    return {"arm": arm, "micro_batch": micro_batch, "error": error, "oom": oom, "timeout": returncode is None,
+            "wall_s": wall_s}
+
+
+def run_process_group(cmd, log, timeout):
+    """Run `cmd` in a process group of its own (torchrun and its ranks); at `timeout` seconds end the whole group
+    (SIGTERM, then SIGKILL after 15 s) so that no rank outlives it holding a GPU. Returns the exit status, or None
+    after a timeout."""
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:  # also when this process is stopped (SIGTERM: see main) while the run goes on
+        if proc.poll() is None:
+            end_process_group(proc)
+
+
+def end_process_group(proc):
+    for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def total_gib():
@@ -103,24 +193,65 @@ def total_gib():
     return torch.cuda.get_device_properties(0).total_memory / 2 ** 30 if torch.cuda.is_available() else math.inf
 
 
-def largest_batch(arm, first, args, port):
-    """Predicted from the first run's breakdown, verified by a short run (10% smaller after an out-of-memory)."""
-    b = first.get("memory_breakdown_gib") or {}
-    if not b:
+def predict_largest(run: dict, budget_gib: float) -> int | None:
+    """The largest micro-batch whose forward + backward fit in `budget_gib`, from one run's last-step memory phases:
+    held = allocated before its forward, per sequence = (backward peak - held) / micro-batch (fixed buffers of the
+    forward and backward counted in, so the prediction errs small). None without the phases (a CPU run), or when
+    the run's own optimizer-step peak, which the micro-batch does not change, leaves no room."""
+    phases = run.get("last_step_phase_peaks_gib") or {}
+    if not {"phase_base", "backward_peak"} <= set(phases):
         return None
-    per_sequence = b["step_transient"] / first["micro_batch"]
-    held = b["step_peak"] - b["step_transient"]
+    held = phases["phase_base"]
+    per_sequence = (phases["backward_peak"] - held) / run["micro_batch"]
+    if per_sequence <= 0 or phases.get("step_phase_peak", 0) > budget_gib:
+        return None
+    return int((budget_gib - held) / per_sequence)
+
+
+def largest_batch(arm, first, args, port, clock, too_big=None, tries=None):
+    """The arm's largest micro-batch: predicted from `first` (its run that fit; the prediction is kept in it as
+    "predicted_largest"), capped by --max-micro-batch and below `too_big` (a micro-batch that ran out of memory),
+    then verified by at most `tries` (default --max-batch-tries) short runs, 10% smaller after each out-of-memory.
+    Nothing runs when the micro-batch to try is less than --max-batch-min-gain times the first run's: the first run
+    then counts as the arm's largest. Returns the runs made."""
     budget = total_gib() * args.memory_fraction
-    mb = max(first["micro_batch"], int((budget - held) / per_sequence))
-    for _ in range(args.max_batch_tries):
-        result = run_arm(arm, args, mb, args.max_batch_steps, "max", port)
+    predicted = predict_largest(first, budget)
+    if predicted is None:
+        print(f"   {arm}: no memory phases in its first run (a CPU run?): no largest-batch search", flush=True)
+        return []
+    first["predicted_largest"] = predicted
+    mb = min(predicted, args.max_micro_batch or predicted, (too_big or predicted + 1) - 1)
+    print(f"   {arm}: largest micro-batch predicted {predicted} from micro-batch {first['micro_batch']} (budget "
+          f"{budget:.1f} GiB)" + (f", to run at {mb}" if mb != predicted else ""), flush=True)
+    runs = []
+    for _ in range(args.max_batch_tries if tries is None else tries):
+        if mb < first["micro_batch"] * args.max_batch_min_gain or mb <= first["micro_batch"]:
+            print(f"   {arm}: micro-batch {mb} is not worth a run over the first run's {first['micro_batch']}: "
+                  "that run counts as the largest", flush=True)
+            first["largest"] = True
+            break
+        result = run_arm(arm, args, mb, args.max_batch_steps, "max", port, clock)
+        runs.append(result)
         if "error" not in result:
+            result["predicted"] = predicted
             result["predicted_from"] = first["micro_batch"]
-            return result
-        if not result.get("oom") or mb <= first["micro_batch"]:
-            return result
-        mb = max(first["micro_batch"], int(mb * 0.9))
-    return result
+            break
+        if not result.get("oom"):
+            break
+        mb = int(mb * 0.9)
+    return runs
+
+
+def first_run(arm, micro, args, steps, port, clock):
+    """The arm's first run at `micro`; with --max-batch, out of memory is retried at half the micro-batch (within
+    --max-batch-tries). Returns the runs and the smallest micro-batch that ran out of memory (None if none did)."""
+    runs, too_big = [run_arm(arm, args, micro, steps, "fixed", port, clock)], None
+    while args.max_batch and runs[-1].get("oom") and micro > 1 and len(runs) <= args.max_batch_tries:
+        too_big, micro = micro, micro // 2
+        runs.append(run_arm(arm, args, micro, steps, "fixed", port, clock))
+    if runs[-1].get("oom"):
+        too_big = runs[-1]["micro_batch"]
+    return runs, too_big
 
 
 def table(rows, base):
@@ -145,7 +276,7 @@ def table(rows, base):
     return "\n".join(lines)
 
 
-def plot(rows, path):
+def plot(rows, path, title="Hugging Face causal LM under DeepSpeed"):
     """Loss curves of the runs with more than 50 steps (also: python hf_deepspeed_compare.py --plot results.json)."""
     try:
         import matplotlib
@@ -163,15 +294,42 @@ def plot(rows, path):
             ax.plot(steps, losses, label=f"{r['arm']} (mb {r['micro_batch']})", linewidth=1)
     ax.set_xlabel("step")
     ax.set_ylabel("train loss")
-    ax.set_title("HF Llama under DeepSpeed")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None):
+def write_results(rows, args):
+    """DIR/results.md (the table, the best tokens/s per arm, the largest micro-batch per arm) and results.json."""
+    base = {r["micro_batch"]: r["tokens_per_s"] for r in rows if r.get("arm") == "bf16" and "error" not in r}
+    md = table(rows, base)
+    best, largest = {}, {}
+    for r in rows:
+        if "error" not in r:
+            best[r["arm"]] = max(best.get(r["arm"], 0.0), r["tokens_per_s"])
+            if r.get("tag") == "max" or r.get("largest"):
+                largest[r["arm"]] = r["micro_batch"]
+    reference = max((best[a] for a in ("bf16", "bf16_ckpt") if a in best), default=None)
+    if reference:
+        md += "\n\nBest tokens/s per arm (x the best of bf16 and bf16_ckpt): " + ", ".join(
+            f"{a} {v:,.0f} ({v / reference:.2f}x)" for a, v in best.items())
+    if largest:
+        md += "\n\nLargest micro-batch that ran, per arm: " + ", ".join(f"{a} {m}" for a, m in largest.items())
+    predicted = {r["arm"]: r["predicted_largest"] for r in rows if "predicted_largest" in r}
+    if predicted:
+        md += "\n\nLargest micro-batch predicted from the first run, per arm: " + ", ".join(
+            f"{a} {m}" for a, m in predicted.items())
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(md + "\n")
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return md
+
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tinyllama-1b")
+    p.add_argument("--model", default="tinyllama-1b", choices=sorted(MODELS), help="launch/train_ds.py's MODELS")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--micro-batches", default=None,
@@ -179,12 +337,19 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=30, help="steps of the arms without a loss curve")
     p.add_argument("--curve-steps", type=int, default=200)
     p.add_argument("--curve-arms", default="bf16,coat")
-    p.add_argument("--arms", default=",".join(DEFAULT_ARMS))
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                   help="ARM[:MB],...: the arms in the order they run, each optionally with its own first micro-batch")
     p.add_argument("--max-batch", action="store_true", help="also run each arm at its largest micro-batch")
     p.add_argument("--max-batch-from", default=None,
                    help="only the largest-batch runs, predicted from the rows of an earlier results.json")
     p.add_argument("--max-batch-steps", type=int, default=12)
-    p.add_argument("--max-batch-tries", type=int, default=3)
+    p.add_argument("--max-batch-tries", type=int, default=3,
+                   help="runs per arm besides its first: the largest-batch runs, and the halvings of a first run out "
+                        "of memory")
+    p.add_argument("--max-micro-batch", type=int, default=None,
+                   help="the largest micro-batch the search runs (bounds the time of its steps)")
+    p.add_argument("--max-batch-min-gain", type=float, default=1.0,
+                   help="run the largest micro-batch only if it is at least this many times the first run's")
     p.add_argument("--memory-fraction", type=float, default=0.96)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--data", choices=("bigram", "corpus"), default="bigram",
@@ -196,55 +361,64 @@ def main(argv=None):
     p.add_argument("--port-base", type=int, default=29600, help="rendezvous ports from here (parallel sweeps)")
     p.add_argument("--gpus", type=int, default=1, help="ranks per arm (data parallel)")
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None)
-    p.add_argument("--run-timeout", type=int, default=900)
+    p.add_argument("--run-timeout", type=int, default=900, help="seconds one run may take")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds the whole invocation may take: each run's timeout is what is left")
+    p.add_argument("--min-run-time", type=float, default=60,
+                   help="with --time-budget: no run starts with fewer seconds left")
     p.add_argument("--profile-step", type=int, default=None,
                    help="profile this step of every run (train_ds.py --profile-step; files in OUT/profile_<run>)")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     p.add_argument("--plot", default=None, help="only draw loss.png from a results.json")
     args = p.parse_args(argv)
+    if args.max_micro_batch is not None and args.max_micro_batch < 1:
+        p.error("--max-micro-batch must be at least 1")
+    if args.max_batch_tries < 1:
+        p.error("--max-batch-tries must be at least 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # `timeout` or a job stop sends SIGTERM: exit through the finally of the run in flight, which ends its ranks
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.plot:
         return plot(json.load(open(args.plot)), os.path.join(os.path.dirname(args.plot), "loss.png"))
     os.makedirs(args.out, exist_ok=True)
-    arms = [a for a in args.arms.split(",") if a]
-    unknown = sorted(set(arms) - set(ARMS))
-    if unknown:
-        raise SystemExit(f"unknown arms {unknown}; choose from {sorted(ARMS)}")
+    arms = parse_arms(args.arms, args.micro_batch)
     curve_arms = set(args.curve_arms.split(","))
+    clock = Clock(args.time_budget, args.run_timeout, args.min_run_time)
     rows = []
+
+    def add(new_rows):
+        rows.extend(new_rows)
+        write_results(rows, args)
+
     if args.max_batch_from:
-        rows = [r for r in json.load(open(args.max_batch_from)) if r.get("arm") in arms and "error" not in r]
-        args.max_batch = True
+        names = {arm for arm, _ in arms}
+        earlier = [r for r in json.load(open(args.max_batch_from)) if r.get("arm") in names and "error" not in r]
+        for i, first in enumerate(earlier):
+            rows.append(first)
+            add(largest_batch(first["arm"], first, args, args.port_base + 50 + i, clock))
     elif args.micro_batches:
         port = args.port_base
         for micro in (int(m) for m in args.micro_batches.split(",")):
-            for arm in arms:
+            for arm, _ in arms:
                 port += 1
-                rows.append(run_arm(arm, args, micro, args.steps, "sweep", port))
+                add([run_arm(arm, args, micro, args.steps, "sweep", port, clock)])
     else:
-        for i, arm in enumerate(arms):
+        searches = []
+        for i, (arm, micro) in enumerate(arms):
             steps = args.curve_steps if arm in curve_arms else args.steps
-            rows.append(run_arm(arm, args, args.micro_batch, steps, "fixed", args.port_base + i))
-    if args.max_batch:
-        for i, first in enumerate(list(rows)):
-            if "error" not in first:
-                result = largest_batch(first["arm"], first, args, args.port_base + 50 + i)
-                if result is not None:
-                    rows.append(result)
-    base = {r["micro_batch"]: r["tokens_per_s"] for r in rows if r.get("arm") == "bf16" and "error" not in r}
-    md = table(rows, base)
-    best = {}
-    for r in rows:
-        if "error" not in r:
-            best[r["arm"]] = max(best.get(r["arm"], 0.0), r["tokens_per_s"])
-    if "bf16" in best:
-        md += "\n\nBest tokens/s per arm (x bf16's best): " + ", ".join(
-            f"{a} {v:,.0f} ({v / best['bf16']:.2f}x)" for a, v in best.items())
+            runs, too_big = first_run(arm, micro, args, steps, args.port_base + i, clock)
+            add(runs)
+            if "error" not in runs[-1]:
+                searches.append((i, arm, runs[-1], too_big, args.max_batch_tries - (len(runs) - 1)))
+        for i, arm, first, too_big, tries in searches if args.max_batch else ():  # every arm's first run, then these
+            add(largest_batch(arm, first, args, args.port_base + 50 + i, clock, too_big, tries))
+    md = write_results(rows, args)
     print(md, flush=True)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(md + "\n")
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    plot(rows, os.path.join(args.out, "loss.png"))
+    plot(rows, os.path.join(args.out, "loss.png"), f"{args.model} under DeepSpeed")
 
 
 if __name__ == "__main__":
