@@ -40,7 +40,8 @@ def add_coat_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     opt = parser.add_argument_group("COAT FP8 optimizer (--coat-optimizer; any --transformer-impl)")
     opt.add_argument("--coat-optimizer", action="store_true",
                      help="replace Megatron's Adam (inside the distributed or mixed-precision optimizer) by "
-                          "CoatFP8AdamW: both moments in FP8 with per-group dynamic range expansion")
+                          "CoatFP8AdamW: both moments in FP8 with per-group dynamic range expansion; with "
+                          "--optimizer muon, also Megatron's Muon momentum in FP8 (coat_megatron.muon)")
     for option, (flag, kwargs) in OPTIMIZER_FLAGS.items():
         opt.add_argument(flag, dest=f"coat_{option}", **kwargs)
     te = parser.add_argument_group("Megatron TransformerConfig fields that megatron.training has no flag for")
@@ -100,9 +101,15 @@ def install_coat_args() -> None:
         arguments.add_megatron_arguments = AddMegatronAndCoatArguments(arguments.add_megatron_arguments)
 
 
+# --optimizer values --coat-optimizer takes: Adam, and Megatron's Muon (its Adam part too; "dist_muon" is the
+# layer-wise distributed spelling of 0.16-0.18, which 0.19 still accepts)
+COAT_OPTIMIZER_BASES = ("adam", "muon", "dist_muon")
+
+
 def validate_coat_args(args) -> None:
-    """Reject settings the COAT spec cannot honour, with the option to change."""
+    """Reject settings the COAT spec or the COAT optimizer cannot honour, with the option to change."""
     _validate_fp8_input_store(args)
+    _validate_coat_optimizer(args)
     if args.transformer_impl != COAT_IMPL:
         return
     problems = []
@@ -131,3 +138,18 @@ def _validate_fp8_input_store(args) -> None:
     if not (getattr(args, "bias_swiglu_fusion", True) or getattr(args, "use_te_activation_func", False)):
         raise SystemExit("--activation-func-fp8-input-store is ignored by Megatron's unfused SwiGLU: drop "
                          "--no-bias-swiglu-fusion (or use --use-te-activation-func)")
+
+
+def _validate_coat_optimizer(args) -> None:
+    """--coat-optimizer stores the state of Adam and of Megatron's Muon (momentum) in FP8; no other optimizer."""
+    if not getattr(args, "coat_optimizer", False):
+        return
+    optimizer = getattr(args, "optimizer", "adam")
+    if optimizer not in COAT_OPTIMIZER_BASES:
+        raise SystemExit(f"--coat-optimizer keeps the state of Adam (--optimizer adam) and of Megatron's Muon "
+                         f"(--optimizer muon) in FP8; --optimizer {optimizer} is neither: drop --coat-optimizer or "
+                         "choose one of them")
+    scalar = getattr(args, "muon_scalar_optimizer", "adam")
+    if "muon" in optimizer and scalar != "adam":
+        raise SystemExit(f"--coat-optimizer with --optimizer {optimizer}: the non-matrix parameters are stepped by "
+                         f"CoatFP8AdamW, which replaces Adam, not {scalar}: use --muon-scalar-optimizer adam")

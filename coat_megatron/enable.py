@@ -2,9 +2,10 @@
 
 It is idempotent (a second call returns the same handle) and does four things:
 1. `--transformer-impl coat` and the `--coat-*` flags in every parser megatron.training builds;
-2. `megatron.training.training.get_megatron_optimizer` replaced by GetMegatronOptimizerWithCoat (Megatron's function,
-   then the swap; it holds the handle): with `--coat-optimizer` the inner Adam of the
-   distributed / mixed-precision optimizer becomes CoatFP8AdamW (coat_megatron.optimizer), and every inner optimizer
+2. `megatron.training.training.get_megatron_optimizer` (and 0.17's `get_megatron_muon_optimizer`) replaced by
+   GetMegatronOptimizerWithCoat (Megatron's function, then the swap; it holds the handle): with `--coat-optimizer` the
+   inner Adam of the distributed / mixed-precision optimizer becomes CoatFP8AdamW and Megatron's Muon keeps its
+   momentum in FP8 (coat_megatron.optimizer, coat_megatron.muon), and every inner optimizer
    ticks the step clock of the COAT weight caches, so each FP8 weight is quantized once per optimizer step (Megatron
    writes weights through `.data` and parameter all-gathers, which no tensor version counter sees);
 3. the handle: a model provider builds the COAT layers with `handle.decoder_block_spec(config, args)` for
@@ -71,13 +72,20 @@ class GetMegatronOptimizerWithCoat:
         return optimizer
 
 
+# The optimizer factories megatron.training.training calls: Megatron's, and (megatron-core 0.17) Muon's, which 0.17
+# calls for --optimizer muon / dist_muon instead (0.18 on route Muon through get_megatron_optimizer).
+OPTIMIZER_FACTORIES = ("get_megatron_optimizer", "get_megatron_muon_optimizer")
+
+
 def enable_coat() -> CoatMegatron:
     from megatron.training import training
 
     install_coat_args()
     release_memory_before_capture()
     installed = training.get_megatron_optimizer
-    if isinstance(installed, GetMegatronOptimizerWithCoat):
-        return installed.handle
-    training.get_megatron_optimizer = GetMegatronOptimizerWithCoat(installed, CoatMegatron())
-    return training.get_megatron_optimizer.handle
+    handle = installed.handle if isinstance(installed, GetMegatronOptimizerWithCoat) else CoatMegatron()
+    for name in OPTIMIZER_FACTORIES:
+        factory = getattr(training, name, None)
+        if factory is not None and not isinstance(factory, GetMegatronOptimizerWithCoat):
+            setattr(training, name, GetMegatronOptimizerWithCoat(factory, handle))
+    return handle
