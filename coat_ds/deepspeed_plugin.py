@@ -1,7 +1,8 @@
 """CoatFP8AdamW as a DeepSpeed optimizer: `"optimizer": {"type": "CoatFP8AdamW", "params": {...}}` in ds_config (and
-CoatFP8Lion, CoatFP8Muon the same way: `"type": "CoatFP8Lion"` on ZeRO-0/1/2/3; `"type": "CoatFP8Muon"` only where
-DeepSpeed steps the model's own parameters, ZeRO-0 without a bf16 / fp16 wrapper, since Newton-Schulz needs whole
-matrices and every other mode hands the optimizer flat partitions).
+CoatFP8Lion, CoatFP8Muon the same way: `"type": "CoatFP8Lion"` on ZeRO-0/1/2/3; `"type": "CoatFP8Muon"` where it
+gets whole matrices: ZeRO-0 without a bf16 / fp16 wrapper (torch.optim.Muon's step on the model's parameters) and
+ZeRO-1/2 without fp16 or optimizer offload (DeepSpeed's own Muon path, coat_ds.muon_zero); `check_muon_config` says
+why the other modes are refused).
 
 DeepSpeed 0.19.8 has no optimizer registry: for a `type` it does not know it builds `getattr(torch.optim, type)`
 with the config params as keywords, and ZeRO accepts only optimizers listed in
@@ -15,9 +16,12 @@ remainders the ZeRO optimizer, once built, steps the model's bf16 partitions and
 """
 from __future__ import annotations
 
-from coat_kernels.optim import state_report
+import torch
 
-from . import engine_hooks, full_optimizer_state, master_partitions, patch_sites
+from coat_kernels.optim import state_report
+from coat_kernels.optim.muon import NS_COEFFICIENTS
+
+from . import engine_hooks, full_optimizer_state, master_partitions, muon_zero, patch_sites
 from .optimizer import COAT_OPTIMIZERS, CoatFP8AdamW, CoatFP8Lion, CoatFP8Muon
 
 
@@ -29,7 +33,7 @@ def register_with_deepspeed() -> None:
     for optimizer_class in COAT_OPTIMIZERS:
         patch_sites.append_member(patch_sites.ZERO_SUPPORTED, optimizer_class)
     patch_sites.wrap(patch_sites.SANITY_CHECK, _checking_engine_config)
-    patch_sites.wrap(patch_sites.CONFIGURE_ZERO, _owning_bf16_masters)
+    patch_sites.wrap(patch_sites.CONFIGURE_ZERO, _configuring_coat_zero)
     engine_hooks.install()
     full_optimizer_state.install()
 
@@ -38,14 +42,8 @@ def check_engine_config(engine, optimizer=None) -> None:
     """Raise ValueError for DeepSpeed modes that cannot hold CoatFP8AdamW's FP8 states, or (for `optimizer`, the
     CoatFP8AdamW DeepSpeed built) that give master remainders no bf16 masters to complete."""
     stage = engine.zero_optimization_stage()
-    if isinstance(optimizer, CoatFP8Muon) and (stage != 0 or engine.bfloat16_enabled() or engine.fp16_enabled()):
-        raise ValueError(
-            f"CoatFP8Muon needs whole weight matrices (Newton-Schulz orthogonalises each one), and this config (ZeRO "
-            f"stage {stage}{', bf16' if engine.bfloat16_enabled() else ''}{', fp16' if engine.fp16_enabled() else ''}"
-            ") hands the optimizer flat partitions of them: ZeRO-1/2/3, BF16_Optimizer and FP16_Optimizer all "
-            "flatten the parameters. DeepSpeed's own Muon orthogonalises the gathered gradient inside its ZeRO "
-            "optimizer with momentum kept there in fp32, which an FP8 state cannot replace. Use ZeRO stage 0 "
-            'without "bf16" / "fp16" (an fp32 or bf16 model stepped in place), or "type": "Muon" for ZeRO.')
+    if isinstance(optimizer, CoatFP8Muon):
+        check_muon_config(engine, optimizer)
     if stage in (1, 2) and engine.zero_elastic_checkpoint():
         raise ValueError(
             "CoatFP8AdamW does not support zero_optimization.elastic_checkpoint=true: elastic checkpoints slice every "
@@ -67,6 +65,64 @@ def check_engine_config(engine, optimizer=None) -> None:
             'gradients). Without those DeepSpeed keeps fp32 masters itself: drop "master_remainders".')
 
 
+def check_muon_config(engine, optimizer) -> None:
+    """ValueError for the configs CoatFP8Muon cannot run under, naming why: it needs whole weight matrices, which
+    ZeRO-0 without a bf16 / fp16 wrapper hands it (torch.optim.Muon's step), and which DeepSpeed's own ZeRO-1/2 Muon
+    path gathers for it (DeepSpeed's step, coat_ds.muon_zero); every other mode hands it flat partitions."""
+    stage = engine.zero_optimization_stage()
+    muon_groups = [group for group in optimizer.param_groups if group["use_muon"]]
+    if stage == 0:
+        if engine.bfloat16_enabled() or engine.fp16_enabled():
+            raise ValueError(
+                "CoatFP8Muon needs whole weight matrices (Newton-Schulz orthogonalises each one), and ZeRO stage 0 "
+                f"with {'bf16' if engine.bfloat16_enabled() else 'fp16'} hands the optimizer flat copies of them "
+                "(BF16_Optimizer / FP16_Optimizer). Use ZeRO stage 0 without \"bf16\" / \"fp16\" (an fp32 model "
+                "stepped in place), or ZeRO stage 1 or 2, where DeepSpeed's Muon path gathers whole matrices.")
+        if any("ns_method" in group for group in muon_groups):
+            raise ValueError(
+                'CoatFP8Muon "ns_method" is DeepSpeed\'s Newton-Schulz choice under ZeRO-1/2; ZeRO stage 0 steps '
+                "torch.optim.Muon's iteration (ns_coefficients, ns_steps): drop ns_method or use ZeRO stage 1 or 2.")
+        return
+    model_dtype, grad_accum_dtype = engine.get_data_types()
+    offload = engine.zero_offload_optimizer()
+    reason = None
+    if stage == 3:
+        reason = ("ZeRO-3 runs Muon only for DeepSpeed's own MuonWithAuxAdam (it checks the optimizer's class), "
+                  "with the momentum in fp32 sub-group buffers that coat_ds does not replace, and would hand "
+                  "CoatFP8Muon flat shards")
+    elif engine.fp16_enabled():
+        reason = ("with fp16 DeepSpeed folds loss-scaled gradients into the Muon momentum, whose scale then moves "
+                  "with the dynamic loss scale; coat_ds does not cover it (no fp16 ZeRO on the CPU tests)")
+    elif offload is not None and str(getattr(offload.device, "value", offload.device)) != "none":
+        reason = ("with optimizer offload DeepSpeed runs Muon (_apply_muon_updates_cpu_offload) only for its own "
+                  "MuonWithAuxAdam, so CoatFP8Muon would be handed raw gradients of flat partitions")
+    elif stage == 1 and model_dtype == torch.bfloat16 and grad_accum_dtype == torch.float32:
+        reason = ("ZeRO-1 with bf16 and grad_accum_dtype fp32 is DeepSpeed's BF16_Optimizer, whose Muon path keeps "
+                  "its own momentum (coat_ds rides on the ZeRO-1/2 optimizer's only)")
+    elif engine.load_universal_checkpoint():
+        reason = ("universal checkpoints hold elementwise moments per parameter fragment (DeepSpeed's converter "
+                  "knows exp_avg / exp_avg_sq); the Muon momentum under ZeRO-1/2 covers each partition's whole "
+                  "matrices on every rank that shares one (as DeepSpeed's own Muon momentum_buffer, which its "
+                  "converter does not take either). Resume at the same data-parallel size from the ZeRO checkpoint")
+    if reason is not None:
+        raise ValueError(f"CoatFP8Muon is not supported with this config (ZeRO stage {stage}): {reason}. It runs on "
+                         'ZeRO stage 1 or 2 (fp32 or "bf16" model, no optimizer offload) and on ZeRO stage 0 '
+                         "(fp32 model).")
+    fixed = {"nesterov": True, "ns_coefficients": NS_COEFFICIENTS, "ns_steps": 5, "eps": 1e-7}
+    for group in muon_groups:
+        changed = {k: group[k] for k, v in fixed.items()
+                   if (tuple(group[k]) if k == "ns_coefficients" else group[k]) != v}
+        if group["adjust_lr_fn"] not in (None, "original"):
+            changed["adjust_lr_fn"] = group["adjust_lr_fn"]
+        if changed:
+            raise ValueError(
+                f"CoatFP8Muon under ZeRO stage {stage} runs DeepSpeed's muon_update (Nesterov momentum, 5 "
+                "Newton-Schulz steps with Keller Jordan's coefficients, \"gram\" or \"standard\" by ns_method, the "
+                "update scaled by sqrt(max(1, rows / cols))), which takes none of torch.optim.Muon's options; this "
+                f"Muon group sets {changed}: leave them at their defaults, or use ZeRO stage 0 (torch.optim.Muon's "
+                "step).")
+
+
 def _checking_engine_config(original):
     """DeepSpeedEngine._do_optimizer_sanity_check that runs check_engine_config when the engine picks the ZeRO/bf16
     wrapper for a CoatFP8AdamW (before it is built)."""
@@ -79,13 +135,19 @@ def _checking_engine_config(original):
     return _do_optimizer_sanity_check
 
 
-def _owning_bf16_masters(original):
+def _configuring_coat_zero(original):
     """DeepSpeedEngine._configure_zero_optimizer after which the ZeRO optimizer around a CoatFP8AdamW with master
     remainders steps the model's bf16 partitions in place of DeepSpeed's master clones, and universal-checkpoint
-    loads stay exact."""
+    loads stay exact; and the ZeRO-1/2 optimizer around a CoatFP8Muon runs DeepSpeed's Muon path with CoatFP8Muon's
+    momentum (coat_ds.muon_zero)."""
 
     def _configure_zero_optimizer(self, optimizer):
+        muon = isinstance(optimizer, CoatFP8Muon) and self.zero_optimization_stage() in (1, 2)
+        if muon:
+            muon_zero.tag_parameters(optimizer)
         zero_optimizer = original(self, optimizer)
+        if muon:
+            muon_zero.install(zero_optimizer)
         if isinstance(optimizer, CoatFP8AdamW) and optimizer.config.master_remainders:
             stage = self.zero_optimization_stage()
             master_partitions.own_master_partitions(zero_optimizer, stage)

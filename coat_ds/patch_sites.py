@@ -38,6 +38,7 @@ HF_SECTION = "tests/hf/test_hf.py::test_deepspeed_zero2_and_zero3_from_the_ds_co
 OFFLOAD = "tests/kernels/optim/test_cpu_step.py::test_deepspeed_zero2_cpu_offload_resumes_bit_exactly"
 IN_PLACE = "tests/deepspeed/test_patch_sites.py::test_every_class_and_module_patch_is_in_place_after_registration"
 GRAPH_POOL_STEP = "tests/gpu/test_graph_pool_loans_gpu.py::test_zero2_steps_borrow_the_graph_pool_with_the_same_bits"
+MUON_ZERO = "tests/deepspeed/test_deepspeed_muon_zero.py::test_coat_muon_on_deepspeed_zero2_muon_path"
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,28 @@ ZERO_FLATTEN = PatchSite(
     "converts it with .to(master dtype), which returns a tensor already of that dtype as it is",
     "during a step that borrows the graphs' pool: one master-dtype copy in the pool's memory instead of two new "
     "tensors", "coat_ds.graph_pool_step", (GRAPH_POOL_STEP,))
+MUON_MOMENTUM_BUFFER = PatchSite(
+    (ZERO_1_2,), "_muon_momentum_buffer", "wrapped on the instance",
+    "get_flat_partition calls it (tensor_list = the partition's parameters, in order) before staging the momentum of "
+    "a Muon group, for its side effect: the optimizer state's momentum_buffer over those whole parameters",
+    "CoatFP8Muon under ZeRO-1/2: the momentum is CoatFP8Muon's entry of the flat partition (FP8 codes and metadata, "
+    "or state_dtype) instead of DeepSpeed's buffer in the gradient's dtype", "coat_ds.muon_zero", (MUON_ZERO,))
+MUON_STAGING = PatchSite(
+    (ZERO_1_2,), "_muon_staging_momentum", "wrapped on the instance",
+    "it returns the flat momentum (the partition's whole parameters, in order) that muon_update updates in place "
+    "while the gradient partition is cut; DeepSpeed keeps it between steps",
+    "a transient copy of CoatFP8Muon's momentum in the gradient's dtype, freed at the commit",
+    "coat_ds.muon_zero", (MUON_ZERO,))
+MUON_COMMIT = PatchSite(
+    (ZERO_1_2,), "_commit_muon_momentum", "wrapped on the instance",
+    "step() calls it once it knows the step survived (no overflow), before the optimizer steps",
+    "store the staged momentum in CoatFP8Muon's state (quantized) and free it", "coat_ds.muon_zero", (MUON_ZERO,))
+AVERAGE_TENSOR = PatchSite(
+    (ZERO_1_2,), "average_tensor", "wrapped on the instance",
+    "it reduces an IPG bucket and all-reduces a Muon matrix cut by a partition edge to every rank holding a piece "
+    "of it when isinstance(self.optimizer, MuonWithAuxAdam), its only use of self.optimizer",
+    "CoatFP8Muon's cut matrices get DeepSpeed's whole-gradient copies: during the call self.optimizer is an object "
+    "that is a MuonWithAuxAdam for isinstance and raises for anything else", "coat_ds.muon_zero", (MUON_ZERO,))
 IMPORT_HOOK = PatchSite(
     ("importlib.machinery:SourceFileLoader",), "exec_module", "wrapped on the instance",
     "the loader of the spec found for `deepspeed`: its exec_module runs deepspeed's code",
@@ -139,13 +162,15 @@ IMPORT_HOOK = PatchSite(
 
 PATCHES = (TORCH_OPTIM_CLASS, TORCH_OPTIM_LION, TORCH_OPTIM_MUON, ZERO_SUPPORTED, SANITY_CHECK, CONFIGURE_ZERO,
            ENGINE_INIT, GET_FULL_STATE, SET_FULL_STATE, GET_LOCAL_STATE, SET_LOCAL_STATE, MASTER_STATE_DICT,
-           UNIVERSAL_LOAD_1_2, UNIVERSAL_LOAD_3, ZERO_STEP, ZERO_FLATTEN, IMPORT_HOOK)
+           UNIVERSAL_LOAD_1_2, UNIVERSAL_LOAD_3, ZERO_STEP, ZERO_FLATTEN, MUON_MOMENTUM_BUFFER, MUON_STAGING,
+           MUON_COMMIT, AVERAGE_TENSOR, IMPORT_HOOK)
 
 INTERNALS = (
     Internal(("_hp_mapping", "hp_fragment", "get_hp_fragment_address", "lp_fragment_address", "param_group_index",
               "get_hp_fragment"), "a ZeRO-1/2 or BF16_Optimizer low-precision parameter (its tensor_fragment)",
-             "which run of the flat fp32 partition belongs to which parameter, at which offset",
-             ("coat_ds.zero_segments", "coat_ds.full_optimizer_state"), (ZERO_STAGES,)),
+             "which run of the flat fp32 partition belongs to which parameter, at which offset (and, for CoatFP8Muon, "
+             "which whole matrices a Muon partition's momentum covers)",
+             ("coat_ds.zero_segments", "coat_ds.full_optimizer_state", "coat_ds.muon_zero"), (ZERO_STAGES, MUON_ZERO)),
     Internal(("ds_id", "partition_numel", "ds_numel", "ds_process_group", "ds_tensor"),
              'a ZeRO-3 parameter; a flat fp32 sub-group is named ds_id "<first ds_id>_<last ds_id>"',
              "each parameter's shard inside a flat sub-group; coat_ds.master_partitions gives the tensors it swaps in "
@@ -170,9 +195,18 @@ INTERNALS = (
              "DeepSpeedZeroOptimizer_Stage3", "its master and bf16 sub-group partitions, as for ZeRO-1/2",
              ("coat_ds.master_partitions", "coat_ds.full_optimizer_state"), (REMAINDERS, ZERO_STAGES)),
     Internal(("zero_optimization_stage", "zero_elastic_checkpoint", "zero_offload_optimizer", "bfloat16_enabled",
-              "bf16_master_weights_and_gradients", "basic_optimizer"), "DeepSpeedEngine",
-             "the modes refused for CoatFP8AdamW, and the optimizer DeepSpeed built from the config",
-             ("coat_ds.deepspeed_plugin", "coat_ds.engine_hooks"), (CHECKPOINTS, REMAINDERS, ZERO_STAGES)),
+              "bf16_master_weights_and_gradients", "basic_optimizer", "get_data_types", "load_universal_checkpoint"),
+             "DeepSpeedEngine", "the modes refused for CoatFP8AdamW (and CoatFP8Muon), and the optimizer DeepSpeed "
+             "built from the config", ("coat_ds.deepspeed_plugin", "coat_ds.engine_hooks"),
+             (CHECKPOINTS, REMAINDERS, ZERO_STAGES, MUON_ZERO)),
+    Internal(("use_muon",), "a model parameter: DeepSpeed's Muon tag (deepspeed.initialize sets it for \"type\": "
+             "\"Muon\" only), which ZeRO-1/2 reads to run Muon on a param group and to copy its cut matrices whole",
+             "coat_ds.muon_zero writes it from CoatFP8Muon's param groups before ZeRO-1/2 is built",
+             ("coat_ds.muon_zero",), (MUON_ZERO,)),
+    Internal(("all_grad_tensors", "optimizer"), "DeepSpeedZeroOptimizer (ZeRO-1/2)",
+             "the gradients whose dtype DeepSpeed gives the Muon momentum it stages; its optimizer (the CoatFP8Muon "
+             "whose state holds the momentum; written for the duration of average_tensor)",
+             ("coat_ds.muon_zero",), (MUON_ZERO,)),
     Internal(("DEEPSPEED_OPTIMIZERS",), "deepspeed.runtime.config", "the optimizer types DeepSpeed builds itself",
              ("coat_ds.engine_hooks",), (MISSPELT_TYPE,)),
     Internal(("single_partition_of_fp32_groups", "base_optimizer_state", "fp32_flat_groups", "optimizer_state_dict",

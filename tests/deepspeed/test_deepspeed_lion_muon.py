@@ -13,7 +13,8 @@ warnings.filterwarnings("ignore", category=RuntimeWarning)
 
 def test_lion_and_muon_from_the_ds_config(tmp_path):
     """Lion on ZeRO-1 and ZeRO-2 (a ZeRO-2 checkpoint resumes bit for bit: losses and weights), Muon on ZeRO-0 with
-    muon_param_groups (trains), Muon on ZeRO-2 refused at deepspeed.initialize naming why. Lion's ZeRO-2 state:
+    muon_param_groups (trains), Muon on ZeRO-0 with bf16 refused at deepspeed.initialize naming why (Muon on ZeRO-1/2:
+    test_deepspeed_muon_zero.py). Lion's ZeRO-2 state:
     safe_get/safe_set_full_optimizer_state on the momentum; saved, converted by coat_ds.to_universal (no exp_avg_sq
     files), resumed on 2 ranks bit for bit and on 1 rank with exact weights, momenta and next loss."""
     ck = tmp_path / "ck"

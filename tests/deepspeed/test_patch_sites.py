@@ -18,7 +18,7 @@ APPLIES_PATCHES = "coat_ds.patch_sites"
 # runs at interpreter start-up, before coat_ds can be imported: its patch is the ledger's IMPORT_HOOK
 STANDALONE = "coat_ds._autoregister"
 MUTATORS = {"append", "extend", "insert", "update", "setdefault", "pop", "remove", "clear", "__setitem__"}
-OWN = {"self", "cls"}
+OWN = {"self", "cls", "super"}  # super() reads are the object's own
 NOT_DEEPSPEED = {"state"}  # a torch optimizer's state (CoatFP8AdamW's own)
 MODEL_ONLY = {"coat_ds.model_snapshot"}  # writes only the user's model (undoing coat_hf's conversion), never DeepSpeed
 

@@ -1,7 +1,7 @@
 """One rank of the CoatFP8Lion / CoatFP8Muon DeepSpeed job (2 gloo ranks on the CPU): Lion from the ds_config on
 ZeRO-1 and ZeRO-2, a ZeRO-2 checkpoint resumed bit for bit, Lion's ZeRO-2 state through DeepSpeed's per-parameter
 state functions and a universal checkpoint (ds_lion_universal_job); Muon on ZeRO-0 with its param groups, and refused
-on ZeRO-2 with the reason."""
+on ZeRO-0 with bf16 (BF16_Optimizer's flat copies) with the reason (Muon on ZeRO-1/2: ds_muon_zero_job)."""
 import torch
 
 import ds_helpers as H
@@ -52,10 +52,10 @@ def lion_muon_worker(rank, world, rendezvous, ck_dir):
     model = H.make_model()
     try:
         deepspeed.initialize(model=model, model_parameters=muon_param_groups(model),
-                             config=H.ds_config(2, "fp32", optimizer=muon))
+                             config=H.ds_config(0, "bf16", optimizer=muon))
     except ValueError as exc:
-        assert "whole weight matrices" in str(exc), exc
+        assert "whole weight matrices" in str(exc) and "BF16_Optimizer" in str(exc), exc
     else:
-        raise AssertionError("CoatFP8Muon on ZeRO-2 was not refused")
-    print(f"rank {rank}: Lion ZeRO-1/2 + resume, Muon ZeRO-0, Muon ZeRO-2 refused OK", flush=True)
+        raise AssertionError("CoatFP8Muon on ZeRO-0 with bf16 was not refused")
+    print(f"rank {rank}: Lion ZeRO-1/2 + resume, Muon ZeRO-0, Muon ZeRO-0 bf16 refused OK", flush=True)
     H.end_rank_process()

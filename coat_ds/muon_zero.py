@@ -1,0 +1,260 @@
+"""CoatFP8Muon under DeepSpeed ZeRO-1/2: DeepSpeed's own Muon path, with the momentum stored by CoatFP8Muon.
+
+DeepSpeed 0.19.8's ZeRO-1/2 optimizer (DeepSpeedZeroOptimizer) runs Muon itself for a param group whose parameters
+carry `use_muon` and whose optimizer's class name holds "muon": while reducing gradients it all-reduces each Muon
+matrix cut by a partition edge to every rank holding a piece of it (`average_tensor`), then, while it cuts the
+gradient partition (`get_flat_partition`), it runs its `muon_update` (momentum, Newton-Schulz by the group's
+`ns_method`, "gram" by default, and its aspect-ratio scaling) on each whole gradient of the partition's matrices and
+hands the optimizer the orthogonalised update as the partition's gradient. The optimizer then only applies it
+(coat_ds.optimizer.CoatFP8Muon, as DeepSpeed's MuonWithAuxAdam does). DeepSpeed keeps the momentum of the
+partition's whole matrices (laid end to end, in the partition's parameter order) in one flat buffer of the
+gradient's dtype, plus a staging copy of it kept between steps.
+
+`install(zero_optimizer)` puts CoatFP8Muon's momentum in their place (four methods wrapped on the instance; entries of
+coat_ds.patch_sites):
+- the committed momentum is the CoatFP8Muon state entry of the group's flat partition, over the partition's whole
+  matrices: with state_dtype "fp8" one FP8 code per element and per quantization group its expansion metadata
+  (coat_kernels.optim.state's entry: `step`, `segments` (one per matrix), `group_size`, `exp_avg_q`,
+  `exp_avg_meta`), with "fp32" / "bf16" an `exp_avg` tensor of that dtype; and `whole_matrices`, the matrices'
+  shapes (int64 [n, 2]), which a loaded entry must match (`check_entry`);
+- `_muon_staging_momentum` hands muon_update a transient copy in the gradient's dtype (dequantized in batches of at
+  most coat_kernels.optim.moment_batch.MAX_BATCH_NUMEL elements), and `_commit_muon_momentum` stores it back
+  (quantized) once DeepSpeed knows the step survived, and frees it; after a skipped step it is dropped at the next
+  staging;
+- `average_tensor` runs with the ZeRO optimizer's `optimizer` presented as a MuonWithAuxAdam, the test DeepSpeed
+  makes (isinstance, its only use of the optimizer there) before it copies a cut matrix's whole gradient.
+
+`tag_parameters(optimizer)` sets `use_muon` on the model's parameters from CoatFP8Muon's param groups, the tag
+deepspeed.initialize sets itself only for "type": "Muon". DeepSpeed internals read or written here are entries of
+coat_ds.patch_sites.INTERNALS.
+"""
+from __future__ import annotations
+
+import torch
+
+from coat_kernels.optim import backends
+from coat_kernels.optim import state as coat_state
+from coat_kernels.optim import unquantized, validation
+from coat_kernels.optim.grouping import build_layout
+from coat_kernels.optim.moment_batch import MomentBatch, batches
+from coat_kernels.optim.validation import StateError
+
+WHOLE_MATRICES = "whole_matrices"  # the entry's key for the shapes of the matrices its momentum covers
+
+
+def tag_parameters(optimizer) -> None:
+    """`use_muon` on every parameter of `optimizer` (a CoatFP8Muon not yet wrapped by ZeRO): its group's."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.use_muon = group["use_muon"]
+
+
+def install(zero_optimizer) -> "ZeroMuonMomentum":
+    """Make the ZeRO-1/2 optimizer around a CoatFP8Muon keep its Muon momentum in CoatFP8Muon's state."""
+    from . import patch_sites  # here: patch_sites imports coat_ds.optimizer, which imports this module
+
+    momentum = ZeroMuonMomentum(zero_optimizer)
+    patch_sites.wrap_instance(patch_sites.MUON_MOMENTUM_BUFFER, zero_optimizer, _replaced_by(momentum.ensure_entry))
+    patch_sites.wrap_instance(patch_sites.MUON_STAGING, zero_optimizer, _replaced_by(momentum.stage))
+    patch_sites.wrap_instance(patch_sites.MUON_COMMIT, zero_optimizer, _replaced_by(momentum.commit))
+    role = _muon_role()
+    patch_sites.wrap_instance(patch_sites.AVERAGE_TENSOR, zero_optimizer,
+                              lambda original: _as_deepspeed_muon(zero_optimizer, role, original))
+    return momentum
+
+
+def _replaced_by(method):
+    """A wrapper maker whose wrapper calls `method` in place of DeepSpeed's original."""
+    def make(_original):
+        def replacement(*args, **kwargs):
+            return method(*args, **kwargs)
+
+        return replacement
+
+    return make
+
+
+def _muon_role():
+    """An object that is a MuonWithAuxAdam for isinstance and nothing else (never built, never stepped)."""
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    class MuonRole(MuonWithAuxAdam):
+        def __init__(self):  # noqa: D401 - no state: it only answers isinstance
+            pass
+
+        def __getattr__(self, name):
+            raise AttributeError(f"average_tensor read optimizer.{name}: DeepSpeed uses the optimizer there for more "
+                                 "than isinstance(optimizer, MuonWithAuxAdam) now (see coat_ds.patch_sites)")
+
+    return MuonRole()
+
+
+def _as_deepspeed_muon(zero_optimizer, role, original):
+    def average_tensor(tensor, communication_data_type):
+        optimizer = zero_optimizer.optimizer
+        zero_optimizer.optimizer = role
+        try:
+            return original(tensor, communication_data_type)
+        finally:
+            zero_optimizer.optimizer = optimizer
+
+    return average_tensor
+
+
+# ---- the entry over a partition's whole matrices ---------------------------------------------------------------
+def matrix_layouts(shapes: torch.Tensor, group_size: int) -> list:
+    """The quantization-group layout of each matrix (rows of `shapes`), whole, in order."""
+    return [build_layout(None, int(rows) * int(cols), group_size) for rows, cols in shapes.tolist()]
+
+
+def new_entry(optimizer, group: dict, shapes: torch.Tensor, device) -> dict:
+    """A zero momentum over matrices of `shapes` (int64 [n, 2]) in `optimizer`'s state dtype."""
+    numel = int(shapes.prod(1).sum())
+    dtype = unquantized.STATE_DTYPES[optimizer.state_dtype]
+    if dtype is not None:
+        entry = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(numel, dtype=dtype, device=device)}
+    else:
+        cfg = optimizer.group_config(group)
+        segments = matrix_segments(shapes)
+        layout = build_layout(segments, numel, cfg.group_size)
+        entry = coat_state.zero_entry(numel, segments, layout, coat_state.moment_configs(cfg, coat_state.MOMENTUM),
+                                      device)
+    entry[WHOLE_MATRICES] = shapes.clone()
+    return entry
+
+
+def check_entry(entry, shapes: torch.Tensor | None, cfg, state_dtype: str, where: str) -> None:
+    """StateError unless `entry` is a momentum (or an empty entry) over whole matrices of `shapes` (None: those it
+    names), in `state_dtype` (FP8 codes and metadata checked as any CoatFP8Muon entry, values scanned)."""
+    if isinstance(entry, dict) and not entry:
+        return
+    if not isinstance(entry, dict):
+        raise StateError(f"{where}: a state entry must be a dict, got {type(entry).__name__}")
+    saved = entry.get(WHOLE_MATRICES)
+    valid = (isinstance(saved, torch.Tensor) and saved.dtype == torch.int64 and saved.dim() == 2
+             and saved.shape[1] == 2)
+    shapes = saved.cpu() if shapes is None and valid else shapes
+    if not valid or shapes is None or not torch.equal(saved.cpu(), shapes):
+        described = saved.tolist() if isinstance(saved, torch.Tensor) else saved
+        holds = shapes.tolist() if shapes is not None else "(not known)"
+        raise StateError(f"{where}: the Muon momentum covers matrices {described} ({WHOLE_MATRICES}), this rank's ZeRO "
+                         f"partition holds {holds}: the state belongs to another rank, data-parallel size or model")
+    numel = int(shapes.prod(1).sum())
+    rest = {k: v for k, v in entry.items() if k != WHOLE_MATRICES}
+    if state_dtype == "fp8":
+        validation.validate_entry(rest, numel, cfg, where, segments=matrix_segments(shapes),
+                                  moments=coat_state.MOMENTUM)
+        if not coat_state.is_coat_state(rest):
+            raise StateError(f"{where}: a CoatFP8Muon (state_dtype fp8) Muon momentum needs FP8 codes, got keys "
+                             f"{sorted(entry)}")
+    else:
+        momentum = rest.get("exp_avg")
+        if not isinstance(momentum, torch.Tensor) or momentum.numel() != numel or set(rest) != {"step", "exp_avg"}:
+            raise StateError(f"{where}: a CoatFP8Muon (state_dtype {state_dtype}) Muon momentum is step and exp_avg "
+                             f"of {numel} elements, got {sorted(entry)}")
+
+
+def matrix_segments(shapes: torch.Tensor) -> torch.Tensor:
+    """One segment per matrix, end to end: (flat_start, numel, 0)."""
+    numels = shapes.prod(1)
+    starts = torch.cat([numels.new_zeros(1), numels.cumsum(0)[:-1]])
+    return torch.stack([starts, numels, torch.zeros_like(starts)], 1)
+
+
+def partition_shapes(flat: torch.Tensor, model_params) -> torch.Tensor:
+    """int64 [n, 2]: the shapes of the model parameters with a fragment in `flat` (a ZeRO-1/2 flat partition), in
+    partition order (DeepSpeed's `_hp_mapping`)."""
+    storage = flat.untyped_storage().data_ptr()
+    found = []
+    for lp in model_params:
+        mapping = getattr(lp, "_hp_mapping", None)
+        if mapping is not None and mapping.hp_fragment.untyped_storage().data_ptr() == storage:
+            found.append((int(mapping.get_hp_fragment_address().start), tuple(lp.shape)))
+    return torch.tensor([shape for _, shape in sorted(found)], dtype=torch.int64).reshape(-1, 2)
+
+
+class ZeroMuonMomentum:
+    """The Muon momentum of one ZeRO-1/2 optimizer around a CoatFP8Muon: committed in the CoatFP8Muon's state entry of
+    each Muon group's flat partition, staged for DeepSpeed's muon_update in a buffer of the gradient's dtype that
+    lives from the gradient partition's making to the commit."""
+
+    def __init__(self, zero_optimizer):
+        self.zero_optimizer = zero_optimizer
+        self.staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # param group -> (flat partition, momentum)
+        self.staging_dtypes: dict[int, torch.dtype] = {}
+        self.moment_batches: dict[int, list] = {}  # param group -> [(matrix range, MomentBatch)]
+
+    def ensure_entry(self, tensor_list, param_group_idx, dtype, device):
+        """DeepSpeed's `_muon_momentum_buffer`: the group's momentum entry (zero on first use; one that covers other
+        matrices is an error), and the staging dtype DeepSpeed would give its buffer: the gradients'."""
+        optimizer = self.zero_optimizer.optimizer
+        group = optimizer.param_groups[param_group_idx]
+        flat = group["params"][0]
+        shapes = torch.tensor([tuple(t.shape) for t in tensor_list], dtype=torch.int64).reshape(-1, 2)
+        entry = optimizer.state[flat]
+        if not entry:
+            entry.update(new_entry(optimizer, group, shapes, device))
+        elif not torch.equal(entry[WHOLE_MATRICES].cpu(), shapes):
+            raise RuntimeError(f"CoatFP8Muon: the Muon momentum of param group {param_group_idx} covers matrices "
+                               f"{entry[WHOLE_MATRICES].tolist()}, the ZeRO partition holds {shapes.tolist()}")
+        grads = self.zero_optimizer.all_grad_tensors.get(param_group_idx)
+        self.staging_dtypes[param_group_idx] = grads[0].dtype if grads else dtype
+
+    def stage(self, flatten_copy, param_group_idx):
+        """DeepSpeed's `_muon_staging_momentum`: the committed momentum, in the gradients' dtype, for muon_update to
+        update in place."""
+        optimizer = self.zero_optimizer.optimizer
+        entry = optimizer.state[flatten_copy]
+        dtype = self.staging_dtypes[param_group_idx]
+        self.staged.pop(param_group_idx, None)  # a step skipped after staging leaves one behind
+        if "exp_avg" in entry:
+            staged = entry["exp_avg"].to(dtype, copy=True)
+        else:
+            staged = torch.empty(entry["exp_avg_q"].numel(), dtype=dtype, device=entry["exp_avg_q"].device)
+            for matrices, batch, (start, numel), (first, groups) in self._batches(param_group_idx, entry):
+                codes = [entry["exp_avg_q"].narrow(0, s, n) for s, n in matrices[0]]
+                metas = [entry["exp_avg_meta"].narrow(1, g, k) for g, k in matrices[1]]
+                values = batch.dequantize(codes, metas)
+                staged.narrow(0, start, numel).copy_(torch.cat(values) if len(values) > 1 else values[0])
+        self.staged[param_group_idx] = (flatten_copy, staged)
+        return staged
+
+    def commit(self):
+        """DeepSpeed's `_commit_muon_momentum` (the step survived): the staged momenta stored, then freed."""
+        optimizer = self.zero_optimizer.optimizer
+        for param_group_idx, (flat, staged) in self.staged.items():
+            entry = optimizer.state[flat]
+            if "exp_avg" in entry:
+                entry["exp_avg"].copy_(staged)
+            else:
+                m_cfg = optimizer.group_config(optimizer.param_groups[param_group_idx]).moment_configs()[0]
+                for matrices, batch, (start, numel), (first, groups) in self._batches(param_group_idx, entry):
+                    values = [staged.narrow(0, s, n).float() for s, n in matrices[0]]
+                    codes, metas = batch.quantize(values, m_cfg)
+                    entry["exp_avg_q"].narrow(0, start, numel).view(torch.uint8).copy_(
+                        torch.cat([c.view(torch.uint8) for c in codes]))
+                    entry["exp_avg_meta"].narrow(1, first, groups).copy_(torch.cat(metas, dim=1))
+            entry["step"] += 1
+        self.staged.clear()
+
+    def _batches(self, param_group_idx, entry) -> list:
+        """Per batch of matrices: ((element runs, group runs) of each matrix, its MomentBatch, its element run, its
+        group run), made once per param group."""
+        made = self.moment_batches.get(param_group_idx)
+        if made is None:
+            layouts = matrix_layouts(entry[WHOLE_MATRICES].cpu(), int(entry["group_size"]))
+            codes = entry["exp_avg_q"]
+            use_triton = backends.use_triton(self.zero_optimizer.optimizer.config.backend, codes,
+                                             layouts[0].group_size)
+            starts, firsts, made = [0], [0], []
+            for layout in layouts:
+                starts.append(starts[-1] + layout.numel)
+                firsts.append(firsts[-1] + layout.num_groups)
+            for run in batches(layouts):
+                elements = [(starts[i], layouts[i].numel) for i in run]
+                groups = [(firsts[i], layouts[i].num_groups) for i in run]
+                made.append(((elements, groups), MomentBatch([layouts[i] for i in run], codes.device, use_triton),
+                             (starts[run.start], starts[run.stop] - starts[run.start]),
+                             (firsts[run.start], firsts[run.stop] - firsts[run.start])))
+            self.moment_batches[param_group_idx] = made
+        return made
