@@ -38,7 +38,6 @@ HF_SECTION = "tests/hf/test_hf.py::test_deepspeed_zero2_and_zero3_from_the_ds_co
 OFFLOAD = "tests/kernels/optim/test_cpu_step.py::test_deepspeed_zero2_cpu_offload_resumes_bit_exactly"
 IN_PLACE = "tests/deepspeed/test_patch_sites.py::test_every_class_and_module_patch_is_in_place_after_registration"
 GRAPH_POOL_STEP = "tests/gpu/test_graph_pool_loans_gpu.py::test_zero2_steps_borrow_the_graph_pool_with_the_same_bits"
-MUON_ZERO = "tests/deepspeed/test_deepspeed_muon_zero.py::test_coat_muon_on_deepspeed_zero2_muon_path"
 
 
 @dataclass(frozen=True)
@@ -72,6 +71,7 @@ TORCH_OPTIM_CLASS = PatchSite(
     'the ds_config\'s "optimizer": {"type": "CoatFP8AdamW"} (DeepSpeed has no optimizer registry)',
     "coat_ds.deepspeed_plugin", (REGISTRATION, ZERO_STAGES, IN_PLACE))
 LION_MUON = "tests/deepspeed/test_deepspeed_lion_muon.py::test_lion_and_muon_from_the_ds_config"
+MUON_ZERO = LION_MUON  # its job runs CoatFP8Muon on ZeRO-1/2 too (tests/jobs/ds_muon_zero_job.py)
 TORCH_OPTIM_LION, TORCH_OPTIM_MUON = (
     PatchSite(("torch.optim",), name, "set", TORCH_OPTIM_CLASS.needs,
               f'the ds_config\'s "optimizer": {{"type": "{name}"}}', "coat_ds.deepspeed_plugin", (LION_MUON, IN_PLACE))

@@ -1,6 +1,7 @@
 """CoatFP8Lion and CoatFP8Muon from the ds_config under DeepSpeed 0.19.8 on CPU (2 gloo ranks, one job:
-tests/jobs/ds_lion_muon_job.py), and Lion's ZeRO-2 state through DeepSpeed's per-parameter state functions
-and universal checkpoints (tests/jobs/ds_lion_universal_job.py)."""
+tests/jobs/ds_lion_muon_job.py, which runs ds_muon_zero_job's checks too), and Lion's ZeRO-2 state through DeepSpeed's
+per-parameter state functions and universal checkpoints (tests/jobs/ds_lion_universal_job.py)."""
+import json
 import warnings
 
 import torch.multiprocessing as mp
@@ -13,12 +14,28 @@ warnings.filterwarnings("ignore", category=RuntimeWarning)
 
 def test_lion_and_muon_from_the_ds_config(tmp_path):
     """Lion on ZeRO-1 and ZeRO-2 (a ZeRO-2 checkpoint resumes bit for bit: losses and weights), Muon on ZeRO-0 with
-    muon_param_groups (trains), Muon on ZeRO-0 with bf16 refused at deepspeed.initialize naming why (Muon on ZeRO-1/2:
-    test_deepspeed_muon_zero.py). Lion's ZeRO-2 state:
-    safe_get/safe_set_full_optimizer_state on the momentum; saved, converted by coat_ds.to_universal (no exp_avg_sq
-    files), resumed on 2 ranks bit for bit and on 1 rank with exact weights, momenta and next loss."""
+    muon_param_groups (trains), Muon on ZeRO-0 with bf16 refused at deepspeed.initialize naming why. Lion's ZeRO-2
+    state: safe_get/safe_set_full_optimizer_state on the momentum; saved, converted by coat_ds.to_universal (no
+    exp_avg_sq files), resumed on 2 ranks bit for bit and on 1 rank with exact weights, momenta and next loss.
+
+    Muon on ZeRO-1/2 (DeepSpeed's Muon path, coat_ds.muon_zero): with state_dtype "fp32" the weights and losses are
+    DeepSpeed's own "type": "Muon"'s bit for bit after 3 steps (ZeRO-2 fp32 model); after one step every rank holding
+    a piece of a matrix, the one cut by the partition edge included, holds (1 - momentum) x the whole averaged
+    gradient autograd gives on the global batch. FP8 momentum: bit for bit DeepSpeed's Muon with its momentum rounded
+    through FP8 after each step (ZeRO-2 fp32 and ZeRO-1 bf16 models); within ds_muon_zero_job.FP8_TOLERANCE of plain
+    DeepSpeed Muon (relative to the distance it moved the weights); about 1.1 momentum bytes per matrix element; the
+    AdamW group's partition keeps its parameters' segments; a ZeRO-2 checkpoint resumes bit for bit. ZeRO-3,
+    DeepSpeed-incompatible Muon options, universal-checkpoint loads and optimizer offload are refused at
+    deepspeed.initialize, naming why."""
     ck = tmp_path / "ck"
     mp.spawn(ds_lion_muon_job.lion_muon_worker, args=(2, str(tmp_path / "rdzv"), str(ck)), nprocs=2, join=True)
     params = sorted(p for p in (ck / "lion_z2_universal" / "zero").iterdir() if p.is_dir())
     assert params and all((p / "exp_avg.pt").is_file() and not (p / "exp_avg_sq.pt").exists() for p in params)
+    for rank in range(2):
+        report = json.loads((ck / f"muon_zero_rank{rank}.json").read_text())
+        per_element = report["momentum_bytes"] / report["momentum_numel"]
+        print(f"Muon ZeRO-2 rank {rank}: FP8 momentum {report['momentum_bytes']} bytes over {report['momentum_numel']} "
+              f"matrix elements ({per_element:.3f} B each; the partition: {report['partition_numel']} elements); "
+              f"distance from DeepSpeed's Muon {report['fp8_distance']:.4f}")
+        assert 1.0 < per_element < 1.12
     mp.spawn(ds_lion_universal_job.load_worker, args=(1, str(tmp_path / "rdzv1"), str(ck)), nprocs=1, join=True)

@@ -1,12 +1,13 @@
 """One rank of the CoatFP8Lion / CoatFP8Muon DeepSpeed job (2 gloo ranks on the CPU): Lion from the ds_config on
 ZeRO-1 and ZeRO-2, a ZeRO-2 checkpoint resumed bit for bit, Lion's ZeRO-2 state through DeepSpeed's per-parameter
 state functions and a universal checkpoint (ds_lion_universal_job); Muon on ZeRO-0 with its param groups, and refused
-on ZeRO-0 with bf16 (BF16_Optimizer's flat copies) with the reason (Muon on ZeRO-1/2: ds_muon_zero_job)."""
+on ZeRO-0 with bf16 (BF16_Optimizer's flat copies) with the reason; Muon on ZeRO-1/2 (ds_muon_zero_job)."""
 import torch
 
 import ds_helpers as H
 import ds_job
 import ds_lion_universal_job
+import ds_muon_zero_job
 
 
 def lion_muon_worker(rank, world, rendezvous, ck_dir):
@@ -57,5 +58,6 @@ def lion_muon_worker(rank, world, rendezvous, ck_dir):
         assert "whole weight matrices" in str(exc) and "BF16_Optimizer" in str(exc), exc
     else:
         raise AssertionError("CoatFP8Muon on ZeRO-0 with bf16 was not refused")
-    print(f"rank {rank}: Lion ZeRO-1/2 + resume, Muon ZeRO-0, Muon ZeRO-0 bf16 refused OK", flush=True)
+    ds_muon_zero_job.muon_zero_checks(rank, world, ck_dir)
+    print(f"rank {rank}: Lion ZeRO-1/2 + resume, Muon ZeRO-0, Muon ZeRO-0 bf16 refused, Muon ZeRO-1/2 OK", flush=True)
     H.end_rank_process()

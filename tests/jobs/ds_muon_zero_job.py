@@ -1,8 +1,10 @@
-"""One rank of the CoatFP8Muon-on-ZeRO-1/2 job (2 gloo ranks on the CPU, the MLP of ds_helpers: its three weights are
-the Muon matrices, the middle one, 40 x 40, cut by the ZeRO partition edge; the biases are the AdamW group).
+"""CoatFP8Muon on DeepSpeed's ZeRO-1/2 Muon path, one rank's checks (`muon_zero_checks`, run inside
+ds_lion_muon_job's worker: 2 gloo ranks on the CPU), on the MLP of ds_helpers: its three weights are the Muon
+matrices, the middle one (40 x 40) cut by the ZeRO-2 partition edge; the biases are the AdamW group.
 
 Oracles: DeepSpeed's own `"type": "Muon"` (with torch's AdamW for its AdamW half), and the gradient autograd gives
-on the global batch in one process. Each rank writes rank{r}.json with what it measured; asserts inside."""
+on the global batch in one process. Each rank writes muon_zero_rank{r}.json (what it measured) into the checkpoint
+folder; asserts inside."""
 import json
 import os
 
@@ -13,7 +15,7 @@ import ds_helpers as H
 MUON_LR, ADAM_LR, MOMENTUM, WD, BETAS, EPS = 0.02, 1e-3, 0.95, 0.1, [0.9, 0.95], 1e-8
 STEPS, NEXT, SIZE, GROUP = 3, 2, 32, 128
 MATRICES = {0: [[40, 24], [40, 40]], 1: [[40, 40], [8, 40]]}  # the Muon matrices of each rank's ZeRO partition
-FP8_TOLERANCE = 0.2  # of the distance DeepSpeed's Muon moved the weights (measured: see the test)
+FP8_TOLERANCE = 0.1  # of the distance DeepSpeed's Muon moved the weights in 3 steps (measured 0.062)
 
 
 def deepspeed_muon(stage, dtype, adam_lr=ADAM_LR):
@@ -116,8 +118,8 @@ def fp8_round_trip(engine):
     buffer.copy_(dre_reference.dequantize(codes, meta, layout))
 
 
-def muon_zero_worker(rank, world, rendezvous, ck_dir, out_dir):
-    H.start_rank(rank, world, rendezvous)
+def muon_zero_checks(rank, world, ck_dir):
+    """After H.start_rank: the checks of the module docstring."""
     torch._dynamo.config.disable = True  # DeepSpeed's muon_update is torch.compile'd: eager on these tiny CPU runs
     import deepspeed  # noqa: F401
 
@@ -174,11 +176,11 @@ def muon_zero_worker(rank, world, rendezvous, ck_dir, out_dir):
                   momentum_numel=numel, partition_numel=fp8.basic_optimizer.param_groups[0]["params"][0].numel())
 
     # the ZeRO-2 checkpoint of the FP8 run resumes bit for bit
-    fp8.save_checkpoint(ck_dir, tag="muon")
+    fp8.save_checkpoint(ck_dir, tag="muon_z2")
     saved = {k: v.clone() if torch.is_tensor(v) else v for k, v in muon_entry(fp8).items()}
     straight = train(fp8, NEXT, rank, torch.float32, first=STEPS)
     resumed = build(coat_muon(2, "fp32", "fp8"), seed=1)
-    resumed.load_checkpoint(ck_dir, tag="muon")
+    resumed.load_checkpoint(ck_dir, tag="muon_z2")
     assert not H.states_equal(muon_entry(resumed), saved), H.states_equal(muon_entry(resumed), saved)
     assert train(resumed, NEXT, rank, torch.float32, first=STEPS) == straight
     for p, q in zip(weights(fp8), weights(resumed)):
@@ -198,6 +200,5 @@ def muon_zero_worker(rank, world, rendezvous, ck_dir, out_dir):
             assert words in str(exc), exc
         else:
             raise AssertionError(f"not refused: {words}")
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(ck_dir, f"muon_zero_rank{rank}.json"), "w") as f:
         json.dump(report, f)
-    H.end_rank_process()
