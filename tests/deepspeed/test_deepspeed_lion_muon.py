@@ -19,7 +19,7 @@ def test_lion_and_muon_from_the_ds_config(tmp_path):
     exp_avg_sq files), resumed on 2 ranks bit for bit and on 1 rank with exact weights, momenta and next loss.
 
     Muon on ZeRO-1/2 (DeepSpeed's Muon path, coat_ds.muon_zero): with state_dtype "fp32" the weights and losses are
-    DeepSpeed's own "type": "Muon"'s bit for bit after 3 steps (ZeRO-2 fp32 model); after one step every rank holding
+    DeepSpeed's own "type": "Muon"'s bit for bit after 3 steps (ZeRO-2 fp32 model, ZeRO-1 bf16 model); after one step every rank holding
     a piece of a matrix, the one cut by the partition edge included, holds (1 - momentum) x the whole averaged
     gradient autograd gives on the global batch. FP8 momentum: bit for bit DeepSpeed's Muon with its momentum rounded
     through FP8 after each step (ZeRO-2 fp32 and ZeRO-1 bf16 models); within ds_muon_zero_job.FP8_TOLERANCE of plain

@@ -128,7 +128,7 @@ def muon_zero_checks(rank, world, ck_dir):
     report = {}
     start = [p.detach().clone() for p in H.make_model().parameters()]
 
-    # ZeRO-2, fp32 model: DeepSpeed's own Muon against the fp32 reference arm, bit for bit
+    # DeepSpeed's own Muon against the fp32 reference arm, bit for bit: ZeRO-2 with an fp32 model, ZeRO-1 with bf16
     theirs = build(deepspeed_muon(2, "fp32"))
     assert type(theirs.basic_optimizer).__name__ == "MuonWithAuxAdam"
     their_losses = train(theirs, STEPS, rank, torch.float32)
@@ -148,6 +148,10 @@ def muon_zero_checks(rank, world, ck_dir):
     our_losses += train(ours, STEPS - 1, rank, torch.float32, first=1)
     assert our_losses == their_losses, (our_losses, their_losses)
     for p, q in zip(weights(ours), weights(theirs)):
+        assert torch.equal(p, q), float((p - q).abs().max())
+    theirs_bf16, ours_bf16 = build(deepspeed_muon(1, "bf16")), build(coat_muon(1, "bf16", "fp32"))  # ZeRO-1
+    assert train(ours_bf16, STEPS, rank, torch.bfloat16) == train(theirs_bf16, STEPS, rank, torch.bfloat16)
+    for p, q in zip(weights(ours_bf16), weights(theirs_bf16)):
         assert torch.equal(p, q), float((p - q).abs().max())
 
     # FP8 momentum: bit for bit DeepSpeed's Muon with its momentum rounded through FP8 after each step (ZeRO-2 fp32
