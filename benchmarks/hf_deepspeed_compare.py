@@ -44,8 +44,9 @@ below --max-batch-min-gain times the first run's runs nothing more (the first ru
 Time: --time-budget S bounds the whole invocation (each run's timeout is what is left; a run killed at it, its
 process group with it, is an error row; no run starts with less than --min-run-time left), and DIR/results.json and
 DIR/results.md are rewritten after every run, so a call stopped from outside keeps what finished.
-Columns: tokens/s, its ratio to bf16 at the same micro-batch, the median step, the host time until forward and
-backward are issued (close to the step time when the host is the bottleneck), peak memory and its breakdown.
+Columns: tokens/s, its ratio to bf16 at the same micro-batch (bf16_ckpt for a *_ckpt arm), the median step, the host
+time until forward and backward are issued (close to the step time when the host is the bottleneck), peak memory and
+its breakdown.
 Writes DIR/results.json, DIR/results.md, DIR/loss.png (matplotlib) and one log + CSV per run.
 """
 from __future__ import annotations
@@ -60,9 +61,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)  # run as a script: `launch` importable
-from launch.train_ds import MODELS  # noqa: E402
 
 ARMS = {
     "bf16": ("configs/ds_zero2_adamw_bf16.json", []),
@@ -161,10 +159,10 @@ def run_arm(arm, args, micro_batch, steps, tag, port, clock):
 
 
 def run_process_group(cmd, log, timeout):
-    """Run `cmd` in a process group of its own (torchrun and its ranks); at `timeout` seconds end the whole group
-    (SIGTERM, then SIGKILL after 15 s) so that no rank outlives it holding a GPU. Returns the exit status, or None
-    after a timeout."""
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    """Run `cmd` in a process group of its own (torchrun and its ranks; in this session, so whatever ends the
+    session's processes ends them too); at `timeout` seconds end the whole group (SIGTERM, then SIGKILL after 15 s)
+    so that no rank outlives it holding a GPU. Returns the exit status, or None after a timeout."""
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, process_group=0)
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -172,6 +170,11 @@ def run_process_group(cmd, log, timeout):
     finally:  # also when this process is stopped (SIGTERM: see main) while the run goes on
         if proc.poll() is None:
             end_process_group(proc)
+
+
+def exit_on_sigterm():
+    """`timeout` or a job stop sends SIGTERM: exit through the finally of the run in flight, which ends its ranks."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def end_process_group(proc):
@@ -255,7 +258,8 @@ def first_run(arm, micro, args, steps, port, clock):
 
 
 def table(rows, base):
-    """Markdown table; `base`: bf16's tokens/s per micro-batch (the "x bf16" column compares at the same one)."""
+    """Markdown table; `base`: the BF16 arms' tokens/s by (arm, micro-batch): the "x bf16" column compares each run
+    with bf16 at the same micro-batch (a *_ckpt arm with bf16_ckpt)."""
     lines = ["| arm | micro-batch | tokens/s | x bf16 | step ms | fwd+bwd host ms | peak GiB | peak reserved GiB | "
              "weights | optimizer state | master + grad buffers | step transient | final loss |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -264,7 +268,7 @@ def table(rows, base):
             lines.append(f"| {r['arm']} | {r['micro_batch']} | {r['error']} |" + " |" * 10)
             continue
         b = r.get("memory_breakdown_gib") or {}
-        ref = base.get(r["micro_batch"])
+        ref = base.get(("bf16_ckpt" if r["arm"].endswith("_ckpt") else "bf16", r["micro_batch"]))
         speed = f"{r['tokens_per_s'] / ref:.2f}" if ref else ""
         cells = [f"{b[k]:.2f}" if k in b else "" for k in ("weights", "optimizer_state", "master_and_grad_buffers",
                                                             "step_transient")]
@@ -302,7 +306,8 @@ def plot(rows, path, title="Hugging Face causal LM under DeepSpeed"):
 
 def write_results(rows, args):
     """DIR/results.md (the table, the best tokens/s per arm, the largest micro-batch per arm) and results.json."""
-    base = {r["micro_batch"]: r["tokens_per_s"] for r in rows if r.get("arm") == "bf16" and "error" not in r}
+    base = {(r["arm"], r["micro_batch"]): r["tokens_per_s"] for r in rows
+            if r.get("arm") in ("bf16", "bf16_ckpt") and "error" not in r}
     md = table(rows, base)
     best, largest = {}, {}
     for r in rows:
@@ -328,6 +333,10 @@ def write_results(rows, args):
 
 
 def parse_args(argv=None):
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)  # run as a script: `launch` importable
+    from launch.train_ds import MODELS  # torch and the data modules: imported only here
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tinyllama-1b", choices=sorted(MODELS), help="launch/train_ds.py's MODELS")
     p.add_argument("--seq-len", type=int, default=2048)
@@ -380,8 +389,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    # `timeout` or a job stop sends SIGTERM: exit through the finally of the run in flight, which ends its ranks
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    exit_on_sigterm()
     if args.plot:
         return plot(json.load(open(args.plot)), os.path.join(os.path.dirname(args.plot), "loss.png"))
     os.makedirs(args.out, exist_ok=True)
