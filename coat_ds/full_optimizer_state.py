@@ -1,6 +1,7 @@
-"""DeepSpeed's per-parameter optimizer-state API for the COAT optimizers (CoatFP8AdamW, CoatFP8Lion; CoatFP8Muon
-runs on ZeRO-0 only, where DeepSpeed links no parameter to a partition: use `optimizer.fp32_moments(p)` there): fp32
-moments out, fp32 moments in.
+"""DeepSpeed's per-parameter optimizer-state API for the COAT optimizers (CoatFP8AdamW, CoatFP8Lion, and CoatFP8Muon's
+AdamW groups; on ZeRO-0 DeepSpeed links no parameter to a partition: use `optimizer.fp32_moments(p)` there; under
+ZeRO-1/2 a Muon group's state is the momentum of whole matrices (coat_ds.muon_zero), which these functions refuse
+with ValueError on every rank): fp32 moments out, fp32 moments in.
 
 `deepspeed.utils.safe_get_full_optimizer_state(param, key)` and its siblings look for fp32 state tensors shaped like
 the flat partition; the COAT optimizers keep FP8 codes and per-group metadata instead. The keys are the optimizer's

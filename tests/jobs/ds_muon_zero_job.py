@@ -173,6 +173,12 @@ def muon_zero_checks(rank, world, ck_dir):
     assert entry["exp_avg_q"].dtype == torch.float8_e4m3fn and "momentum_buffer" not in entry
     numel = sum(r * c for r, c in MATRICES[rank])
     assert entry["exp_avg_q"].numel() == numel
+    try:
+        fp8.basic_optimizer.fp32_moments(fp8.basic_optimizer.param_groups[0]["params"][0])
+    except ValueError as exc:
+        assert "whole matrices" in str(exc), exc
+    else:
+        raise AssertionError("fp32_moments of a Muon partition under ZeRO-2 did not refuse")
     adamw_flat = fp8.basic_optimizer.param_groups[1]["params"][0]
     segments = fp8.basic_optimizer.state[adamw_flat]["segments"].tolist()
     assert segments == [list(s) for s in H.expected_segments([40, 40, 8], 2, rank, world)], segments
@@ -193,6 +199,7 @@ def muon_zero_checks(rank, world, ck_dir):
 
     # refused at deepspeed.initialize, with the reason
     for config, words in ((coat_muon(3, "fp32", "fp8"), "ZeRO-3 runs Muon only for DeepSpeed's own"),
+                          (coat_muon(0, "fp32", "fp8", ns_method="gram"), "ZeRO stage 0 steps torch.optim.Muon's"),
                           (coat_muon(2, "fp32", "fp8", ns_steps=3), "takes none of torch.optim.Muon's options"),
                           (coat_muon(2, "fp32", "fp8", ds={"checkpoint": {"load_universal": True}}),
                            "universal checkpoints"),
