@@ -40,7 +40,9 @@ step's own peak does not grow with the batch. The largest micro-batch whose forw
 --memory-fraction of the GPU (kept in results.json as "predicted_largest"; at most --max-micro-batch, below any
 micro-batch that ran out of memory) runs --max-batch-steps steps; on out-of-memory 10% smaller. A first run out of
 memory is repeated at half its micro-batch. Each arm gets at most --max-batch-tries runs after its first; a micro-batch
-below --max-batch-min-gain times the first run's runs nothing more (the first run counts as the arm's largest).
+below --max-batch-min-gain times the first run's runs nothing more (the first run counts as the arm's largest), nor
+does one whose expected time (the first run's start-up and its median step scaled by the micro-batch) exceeds the
+time left.
 Time: --time-budget S bounds the whole invocation (each run's timeout is what is left; a run killed at it, its
 process group with it, is an error row; no run starts with less than --min-run-time left), and DIR/results.json and
 DIR/results.md are rewritten after every run, so a call stopped from outside keeps what finished.
@@ -94,6 +96,22 @@ class Clock:
             return self.run_timeout_s
         left = self.deadline - time.monotonic()
         return min(self.run_timeout_s, left) if left >= self.min_run_s else None
+
+    def fits(self, seconds: float) -> bool:
+        """Whether a run expected to take `seconds` can finish within the budget and the run timeout."""
+        timeout = self.timeout()
+        return timeout is not None and seconds <= timeout
+
+
+def expected_seconds(first: dict, micro_batch: int, steps: int) -> float:
+    """How long a run of `steps` steps at `micro_batch` should take, from an earlier run of the arm: its start (its
+    wall time less its steps at the median step time: start-up, the slower first steps) and its median step scaled
+    by the micro-batch. 0 for a run that did not record its wall time (an earlier results.json)."""
+    if "wall_s" not in first:
+        return 0.0
+    step_s = first["median_step_ms"] / 1e3
+    start_s = max(0.0, first["wall_s"] - len(first["curve"]) * step_s)
+    return start_s + steps * step_s * micro_batch / first["micro_batch"]
 
 
 def parse_arms(spec: str, micro_batch: int) -> list[tuple[str, int]]:
@@ -220,7 +238,8 @@ def largest_batch(arm, first, args, port, clock, too_big=None, tries=None):
     budget = total_gib() * args.memory_fraction
     predicted = predict_largest(first, budget)
     if predicted is None:
-        print(f"   {arm}: no memory phases in its first run (a CPU run?): no largest-batch search", flush=True)
+        print(f"   {arm}: no largest-batch search: its first run has no memory phases (a CPU run) or its optimizer "
+              "step alone exceeds the budget", flush=True)
         return []
     first["predicted_largest"] = predicted
     mb = min(predicted, args.max_micro_batch or predicted, (too_big or predicted + 1) - 1)
@@ -232,6 +251,11 @@ def largest_batch(arm, first, args, port, clock, too_big=None, tries=None):
             print(f"   {arm}: micro-batch {mb} is not worth a run over the first run's {first['micro_batch']}: "
                   "that run counts as the largest", flush=True)
             first["largest"] = True
+            break
+        expected = expected_seconds(first, mb, args.max_batch_steps)
+        if not clock.fits(expected):
+            print(f"   {arm}: micro-batch {mb} not run: about {expected:.0f} s, more than the time left", flush=True)
+            first["largest_not_run_for_time"] = mb
             break
         result = run_arm(arm, args, mb, args.max_batch_steps, "max", port, clock)
         runs.append(result)

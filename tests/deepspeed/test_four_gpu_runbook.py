@@ -146,6 +146,21 @@ def test_search_is_bounded_by_tries_cap_gain_and_out_of_memory(compare, tmp_path
     assert [r["micro_batch"] for r in compare.largest_batch("coat", run(4), args, 0, clock, too_big=10)] == [9]
 
 
+def test_no_search_run_starts_that_would_outlast_the_budget(compare, tmp_path, monkeypatch):
+    """A first run of 5 steps at micro-batch 8 took 100 s with a median step of 4 s: 80 s of start; 5 steps at the
+    predicted 26 should take 80 + 5 x 4 x 26 / 8 = 145 s."""
+    monkeypatch.setattr(compare, "total_gib", lambda: 80.0)
+    gpu = SimulatedGpu(largest=30)
+    monkeypatch.setattr(compare, "run_arm", gpu)
+    args = search_args(compare, tmp_path, "--max-batch-steps", "5")
+    first = dict(run(8), wall_s=100.0, median_step_ms=4000.0, curve=[(s, 1.0) for s in range(1, 6)])
+    assert compare.expected_seconds(first, 26, 5) == pytest.approx(145.0)
+    assert compare.largest_batch("coat", first, args, 0, compare.Clock(140.0, 900, 10)) == []
+    assert first["largest_not_run_for_time"] == 26 and not gpu.runs
+    assert [r["micro_batch"] for r in compare.largest_batch("coat", first, args, 0, compare.Clock(150.0, 900, 10))] \
+        == [26]
+
+
 def test_first_run_out_of_memory_is_halved_within_the_tries(compare, tmp_path, monkeypatch):
     gpu = SimulatedGpu(largest=5)
     monkeypatch.setattr(compare, "run_arm", gpu)
