@@ -37,6 +37,16 @@ def backend(request, monkeypatch):
     return request.param
 
 
+def cases(name, values, interpreted):
+    """Parametrize `backend` and `name`: every value on the torch backend, the values in `interpreted` also on the
+    Triton kernels under the interpreter. For checks of how a block is composed (which lives once, in
+    block_bodies, for both backends), one interpreted case shows the Triton kernels are wired the same way; the
+    kernels themselves are checked against the torch references in tests/kernels/act and, bit for bit, on the GPU
+    (tests/gpu). Each interpreted case of the fused MLP costs tens of seconds of CI time."""
+    params = [("torch", v) for v in values] + [("triton", v) for v in values if v in interpreted]
+    return pytest.mark.parametrize(("backend", name), params, indirect=["backend"])
+
+
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -196,7 +206,7 @@ def _mlp_inputs(seed, residual):
     return ins, torch.randn(3, 13, 64), torch.randn(3, 13, 64)
 
 
-@pytest.mark.parametrize("residual", [True, False])
+@cases("residual", [True, False], interpreted=[False])
 def test_fp8_norm_swiglu_mlp_equals_the_unfused_blocks(backend, residual):
     """The fused MLP is the unfused blocks' computation (same quantizers, same GEMMs): identical outputs and
     gradients, the same saved tensors, and within the fp32 bounds."""
@@ -229,7 +239,7 @@ def test_fp8_norm_swiglu_mlp_equals_the_unfused_blocks(backend, residual):
     assert saved_bytes(fused, *params, params=params[1:]) == saved_bytes(unfused, *params, params=params[1:])
 
 
-@pytest.mark.parametrize("trainable", ["x", "w1", "w2"])
+@cases("trainable", ["x", "w1", "w2"], interpreted=["x"])
 def test_fp8_norm_swiglu_mlp_with_one_trainable_input(backend, trainable):
     """Only the input, fc1's or fc2's weight needing a gradient (backward skips the others' GEMMs and the SwiGLU
     backward when nothing below fc2 needs it): the same gradient as with everything trainable, no others."""
@@ -321,7 +331,7 @@ def test_weight_cache_quantizes_once_per_optimizer_step(backend, monkeypatch):
         y1.sum().backward()
 
 
-@pytest.mark.parametrize("block", ["linear", "norm_linear", "swiglu_linear", "norm_swiglu_mlp"])
+@cases("block", ["linear", "norm_linear", "swiglu_linear", "norm_swiglu_mlp"], interpreted=["linear", "norm_linear"])
 def test_transposed_weight_copy_made_in_backward(backend, block):
     """transposed_weights="backward": the cache holds only the forward copy until the first backward makes the
     transposed one from the saved weight (the same bits as made in forward); later micro-batches reuse both."""
@@ -506,7 +516,7 @@ def test_triton_backend_on_a_cpu_says_what_to_use_instead():
     assert "backend='auto'" in proc.stderr and "TRITON_INTERPRET=1" in proc.stderr, proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("residual", [True, False])
+@cases("residual", [True, False], interpreted=[False])
 def test_gelu_tanh_gated_blocks_track_fp32(backend, residual):
     """GeGLU (activation="gelu_tanh"): fp8_swiglu_linear and the fused MLP against fp32 within the SwiGLU bounds,
     the fused MLP equal to the unfused blocks."""
