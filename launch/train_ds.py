@@ -70,6 +70,7 @@ from launch import batches, ds_memory  # noqa: E402
 from launch.step_profile import start_profiler, write_profile  # noqa: E402
 from launch.token_data import BigramData, CorpusData  # noqa: E402
 
+
 class ModelShape(NamedTuple):
     """A causal LM built from a `transformers` config, no downloads: the architecture (which config and model classes,
     ARCHITECTURES) and the config's fields (the sequence length, attention backend and use_cache are train_ds's)."""
