@@ -35,7 +35,7 @@ import torch
 from coat_kernels.optim import backends
 from coat_kernels.optim import state as coat_state
 from coat_kernels.optim import unquantized, validation
-from coat_kernels.optim.grouping import build_layout
+from coat_kernels.optim.grouping import build_layout, concat_layouts
 from coat_kernels.optim.moment_batch import MomentBatch, batches
 from coat_kernels.optim.validation import StateError
 
@@ -79,7 +79,7 @@ def _muon_role():
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
     class MuonRole(MuonWithAuxAdam):
-        def __init__(self):  # noqa: D401 - no state: it only answers isinstance
+        def __init__(self):  # no state: it only answers isinstance
             pass
 
         def __getattr__(self, name):
@@ -182,7 +182,7 @@ class ZeroMuonMomentum:
         self.zero_optimizer = zero_optimizer
         self.staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # param group -> (flat partition, momentum)
         self.staging_dtypes: dict[int, torch.dtype] = {}
-        self.moment_batches: dict[int, list] = {}  # param group -> [(matrix range, MomentBatch)]
+        self.moment_batches: dict[int, list] = {}  # param group -> its runs of matrices (see _batches)
 
     def ensure_entry(self, tensor_list, param_group_idx, dtype, device):
         """DeepSpeed's `_muon_momentum_buffer`: the group's momentum entry (zero on first use; one that covers other
@@ -210,12 +210,11 @@ class ZeroMuonMomentum:
         if "exp_avg" in entry:
             staged = entry["exp_avg"].to(dtype, copy=True)
         else:
-            staged = torch.empty(entry["exp_avg_q"].numel(), dtype=dtype, device=entry["exp_avg_q"].device)
-            for matrices, batch, (start, numel), (first, groups) in self._batches(param_group_idx, entry):
-                codes = [entry["exp_avg_q"].narrow(0, s, n) for s, n in matrices[0]]
-                metas = [entry["exp_avg_meta"].narrow(1, g, k) for g, k in matrices[1]]
-                values = batch.dequantize(codes, metas)
-                staged.narrow(0, start, numel).copy_(torch.cat(values) if len(values) > 1 else values[0])
+            codes, meta = entry["exp_avg_q"], entry["exp_avg_meta"]
+            staged = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
+            for start, numel, first, groups, batch in self._batches(param_group_idx, entry):
+                values, = batch.dequantize([codes.narrow(0, start, numel)], [meta.narrow(1, first, groups)])
+                staged.narrow(0, start, numel).copy_(values)
         self.staged[param_group_idx] = (flatten_copy, staged)
         return staged
 
@@ -228,33 +227,28 @@ class ZeroMuonMomentum:
                 entry["exp_avg"].copy_(staged)
             else:
                 m_cfg = optimizer.group_config(optimizer.param_groups[param_group_idx]).moment_configs()[0]
-                for matrices, batch, (start, numel), (first, groups) in self._batches(param_group_idx, entry):
-                    values = [staged.narrow(0, s, n).float() for s, n in matrices[0]]
-                    codes, metas = batch.quantize(values, m_cfg)
-                    entry["exp_avg_q"].narrow(0, start, numel).view(torch.uint8).copy_(
-                        torch.cat([c.view(torch.uint8) for c in codes]))
-                    entry["exp_avg_meta"].narrow(1, first, groups).copy_(torch.cat(metas, dim=1))
+                for start, numel, first, groups, batch in self._batches(param_group_idx, entry):
+                    (codes,), (meta,) = batch.quantize([staged.narrow(0, start, numel).float()], m_cfg)
+                    entry["exp_avg_q"].narrow(0, start, numel).view(torch.uint8).copy_(codes.view(torch.uint8))
+                    entry["exp_avg_meta"].narrow(1, first, groups).copy_(meta)
             entry["step"] += 1
         self.staged.clear()
 
     def _batches(self, param_group_idx, entry) -> list:
-        """Per batch of matrices: ((element runs, group runs) of each matrix, its MomentBatch, its element run, its
-        group run), made once per param group."""
+        """(first element, elements, first group, groups, MomentBatch) of each run of whole matrices holding at most
+        moment_batch.MAX_BATCH_NUMEL elements (a larger matrix alone), made once per param group: one
+        (de)quantization call per run, on the run's groups, which are the matrices' own (concat_layouts)."""
         made = self.moment_batches.get(param_group_idx)
         if made is None:
             layouts = matrix_layouts(entry[WHOLE_MATRICES].cpu(), int(entry["group_size"]))
             codes = entry["exp_avg_q"]
             use_triton = backends.use_triton(self.zero_optimizer.optimizer.config.backend, codes,
                                              layouts[0].group_size)
-            starts, firsts, made = [0], [0], []
-            for layout in layouts:
-                starts.append(starts[-1] + layout.numel)
-                firsts.append(firsts[-1] + layout.num_groups)
+            made, start, first = [], 0, 0
             for run in batches(layouts):
-                elements = [(starts[i], layouts[i].numel) for i in run]
-                groups = [(firsts[i], layouts[i].num_groups) for i in run]
-                made.append(((elements, groups), MomentBatch([layouts[i] for i in run], codes.device, use_triton),
-                             (starts[run.start], starts[run.stop] - starts[run.start]),
-                             (firsts[run.start], firsts[run.stop] - firsts[run.start])))
+                layout = concat_layouts([layouts[i] for i in run])
+                made.append((start, layout.numel, first, layout.num_groups,
+                             MomentBatch([layout], codes.device, use_triton)))
+                start, first = start + layout.numel, first + layout.num_groups
             self.moment_batches[param_group_idx] = made
         return made

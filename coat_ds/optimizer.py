@@ -129,15 +129,15 @@ class CoatFP8Muon(PartitionSegments, _CoatFP8Muon):
                              "partition's elements")
 
     def load_state_dict(self, state_dict):
-        """CoatFP8Muon's load_state_dict, with the whole-matrix momenta's shape tables kept int64 (torch casts every
-        state tensor to its parameter's dtype)."""
+        """CoatFP8Muon's load_state_dict, with the whole-matrix momenta's shape tables kept int64 on the CPU, as made
+        (torch casts every state tensor to its parameter's dtype and device)."""
         tables = {pid: entry[muon_zero.WHOLE_MATRICES] for pid, entry in state_dict.get("state", {}).items()
                   if isinstance(entry, dict) and muon_zero.WHOLE_MATRICES in entry}
         super().load_state_dict(state_dict)
         params = {pid: p for saved, group in zip(state_dict["param_groups"], self.param_groups)
                   for pid, p in zip(saved["params"], group["params"])}
         for pid, table in tables.items():
-            self.state[params[pid]][muon_zero.WHOLE_MATRICES] = table.clone()
+            self.state[params[pid]][muon_zero.WHOLE_MATRICES] = table.to("cpu", copy=True)
 
     def _check_entry(self, entry, p, group_index, position, cfg, own_segments=True):
         if not holds_deepspeed_updates(self.param_groups[group_index]):

@@ -200,6 +200,8 @@ def muon_zero_checks(rank, world, ck_dir):
     # refused at deepspeed.initialize, with the reason
     for config, words in ((coat_muon(3, "fp32", "fp8"), "ZeRO-3 runs Muon only for DeepSpeed's own"),
                           (coat_muon(0, "fp32", "fp8", ns_method="gram"), "ZeRO stage 0 steps torch.optim.Muon's"),
+                          (coat_muon(1, "bf16", "fp8", ds={"data_types": {"grad_accum_dtype": "fp32"}}),
+                           "BF16_Optimizer"),
                           (coat_muon(2, "fp32", "fp8", ns_steps=3), "takes none of torch.optim.Muon's options"),
                           (coat_muon(2, "fp32", "fp8", ds={"checkpoint": {"load_universal": True}}),
                            "universal checkpoints"),
