@@ -196,6 +196,15 @@ def muon_zero_checks(rank, world, ck_dir):
     for p, q in zip(weights(fp8), weights(resumed)):
         assert torch.equal(p, q)
     assert not H.states_equal(muon_entry(resumed), muon_entry(fp8))
+    # another rank's momentum (other whole matrices) does not load
+    state_dict = resumed.basic_optimizer.state_dict()
+    state_dict["state"][0]["whole_matrices"] = torch.tensor(MATRICES[1 - rank])
+    try:
+        resumed.basic_optimizer.load_state_dict(state_dict)
+    except ValueError as exc:
+        assert "whole_matrices" in str(exc) and "another rank" in str(exc), exc
+    else:
+        raise AssertionError("a momentum over another rank's matrices was loaded")
 
     # refused at deepspeed.initialize, with the reason
     for config, words in ((coat_muon(3, "fp32", "fp8"), "ZeRO-3 runs Muon only for DeepSpeed's own"),
