@@ -53,6 +53,7 @@ def install(zero_optimizer) -> "ZeroMuonMomentum":
     """Make the ZeRO-1/2 optimizer around a CoatFP8Muon keep its Muon momentum in CoatFP8Muon's state."""
     from . import patch_sites  # here: patch_sites imports coat_ds.optimizer, which imports this module
 
+    zero_optimizer.optimizer.use_deepspeed_muon_path()
     momentum = ZeroMuonMomentum(zero_optimizer)
     patch_sites.wrap_instance(patch_sites.MUON_MOMENTUM_BUFFER, zero_optimizer, _replaced_by(momentum.ensure_entry))
     patch_sites.wrap_instance(patch_sites.MUON_STAGING, zero_optimizer, _replaced_by(momentum.stage))

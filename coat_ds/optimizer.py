@@ -58,23 +58,31 @@ class CoatFP8Lion(PartitionSegments, _CoatFP8Lion):
 NS_METHODS = (None, "gram", "standard")  # DeepSpeed's Newton-Schulz methods (None: its default, "gram")
 
 
-def holds_deepspeed_updates(group: dict) -> bool:
-    """A Muon group whose tensors are ZeRO-1/2 flat partitions: DeepSpeed has written Muon's update into their
-    gradients (coat_ds.muon_zero)."""
-    return group["use_muon"] and bool(group["params"]) and all(p.dim() == 1 for p in group["params"])
-
-
 class CoatFP8Muon(PartitionSegments, _CoatFP8Muon):
     """CoatFP8Muon (coat_kernels.optim.muon) for DeepSpeed. Under ZeRO-1/2 (coat_ds.muon_zero) the Muon step is
     DeepSpeed's: `ns_method` ("gram", its default, or "standard") picks its Newton-Schulz iteration (a group may set
     its own), and torch.optim.Muon's nesterov, ns_coefficients, ns_steps, eps and adjust_lr_fn must stay at their
     defaults (coat_ds.deepspeed_plugin refuses others)."""
 
+    ns_method: str | None = None
+    on_deepspeed_muon_path = False  # set by use_deepspeed_muon_path
+
     def __init__(self, params, *args, ns_method: str | None = None, **kwargs):
         if ns_method not in NS_METHODS:
             raise ValueError(f"CoatFP8Muon: ns_method must be one of {NS_METHODS}, got {ns_method!r}")
         self.ns_method = ns_method
         super().__init__(params, *args, **kwargs)
+
+    def use_deepspeed_muon_path(self) -> None:
+        """From now on DeepSpeed's ZeRO-1/2 optimizer runs Muon for this optimizer (coat_ds.muon_zero.install): a
+        Muon group of flat partitions holds DeepSpeed's updates in its gradients. Without this call a flat tensor in
+        a Muon group stays an error at the step (Newton-Schulz needs whole matrices)."""
+        self.on_deepspeed_muon_path = True
+
+    def holds_deepspeed_updates(self, group: dict) -> bool:
+        """A Muon group whose tensors are ZeRO-1/2 flat partitions, on DeepSpeed's Muon path."""
+        return (self.on_deepspeed_muon_path and group["use_muon"] and bool(group["params"])
+                and all(p.dim() == 1 for p in group["params"]))
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -90,7 +98,7 @@ class CoatFP8Muon(PartitionSegments, _CoatFP8Muon):
         loss = super().step(closure)
         with torch.no_grad():
             for group in self.param_groups:
-                if holds_deepspeed_updates(group):
+                if self.holds_deepspeed_updates(group):
                     self._check_group(group)
                     for p in group["params"]:
                         if p.grad is not None:
@@ -99,15 +107,15 @@ class CoatFP8Muon(PartitionSegments, _CoatFP8Muon):
         return loss
 
     def _prepare_group(self, index, group):
-        return None if holds_deepspeed_updates(group) else super()._prepare_group(index, group)
+        return None if self.holds_deepspeed_updates(group) else super()._prepare_group(index, group)
 
     def _unquantized_step(self, group, p, grad, entry):
-        if not holds_deepspeed_updates(group):
+        if not self.holds_deepspeed_updates(group):
             super()._unquantized_step(group, p, grad, entry)
 
     def _holds_whole_matrix_momentum(self, p) -> bool:
         try:
-            return holds_deepspeed_updates(self._group_of(p)[1])
+            return self.holds_deepspeed_updates(self._group_of(p)[1])
         except KeyError:
             return False
 
@@ -140,7 +148,7 @@ class CoatFP8Muon(PartitionSegments, _CoatFP8Muon):
             self.state[params[pid]][muon_zero.WHOLE_MATRICES] = table.to("cpu", copy=True)
 
     def _check_entry(self, entry, p, group_index, position, cfg, own_segments=True):
-        if not holds_deepspeed_updates(self.param_groups[group_index]):
+        if not self.holds_deepspeed_updates(self.param_groups[group_index]):
             return super()._check_entry(entry, p, group_index, position, cfg, own_segments)
         shapes = muon_zero.partition_shapes(p, self._model_params[group_index]) if own_segments else None
         muon_zero.check_entry(entry, shapes, cfg, self.state_dtype, self._where(p, group_index, position))

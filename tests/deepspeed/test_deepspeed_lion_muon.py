@@ -39,3 +39,25 @@ def test_lion_and_muon_from_the_ds_config(tmp_path):
               f"distance from DeepSpeed's Muon {report['fp8_distance']:.4f}")
         assert 1.0 < per_element < 1.12
     mp.spawn(ds_lion_universal_job.load_worker, args=(1, str(tmp_path / "rdzv1"), str(ck)), nprocs=1, join=True)
+
+
+def test_flat_muon_tensors_are_stepped_only_on_deepspeeds_muon_path():
+    """A flat tensor in a Muon group (what a ZeRO wrapper hands the optimizer) is an error at the step, until
+    coat_ds.muon_zero puts the optimizer on DeepSpeed's Muon path: then its gradient is the update, applied as
+    p (1 - lr wd) - lr update."""
+    import pytest
+    import torch
+
+    from coat_ds import CoatFP8Muon
+
+    w = torch.nn.Parameter(torch.randn(4, 8))
+    opt = CoatFP8Muon([w], lr=0.02, weight_decay=0.1)
+    flat = torch.nn.Parameter(w.detach().reshape(-1).clone())
+    flat.grad = torch.randn(32)
+    opt.param_groups[0]["params"] = [flat]
+    with pytest.raises(RuntimeError, match="whole 2-D matrices"):
+        opt.step()
+    expected = flat.detach() * (1 - 0.02 * 0.1) - 0.02 * flat.grad
+    opt.use_deepspeed_muon_path()
+    opt.step()
+    torch.testing.assert_close(flat.detach(), expected, rtol=1e-6, atol=1e-7)
