@@ -10,13 +10,14 @@ hands the optimizer the orthogonalised update as the partition's gradient. The o
 partition's whole matrices (laid end to end, in the partition's parameter order) in one flat buffer of the
 gradient's dtype, plus a staging copy of it kept between steps.
 
-`install(zero_optimizer)` puts CoatFP8Muon's momentum in their place (four methods wrapped on the instance; entries of
-coat_ds.patch_sites):
+`install(zero_optimizer)` puts the CoatFP8Muon on that path (`use_deepspeed_muon_path`: it applies the updates) and
+its momentum in place of DeepSpeed's (four methods wrapped on the instance; entries of coat_ds.patch_sites):
 - the committed momentum is the CoatFP8Muon state entry of the group's flat partition, over the partition's whole
   matrices: with state_dtype "fp8" one FP8 code per element and per quantization group its expansion metadata
   (coat_kernels.optim.state's entry: `step`, `segments` (one per matrix), `group_size`, `exp_avg_q`,
   `exp_avg_meta`), with "fp32" / "bf16" an `exp_avg` tensor of that dtype; and `whole_matrices`, the matrices'
-  shapes (int64 [n, 2]), which a loaded entry must match (`check_entry`);
+  shapes (int64 [n, 2]), which a loaded entry must match (`check_entry`); `_muon_momentum_buffer` makes it (zero)
+  in place of DeepSpeed's buffer;
 - `_muon_staging_momentum` hands muon_update a transient copy in the gradient's dtype (dequantized in batches of at
   most coat_kernels.optim.moment_batch.MAX_BATCH_NUMEL elements), and `_commit_muon_momentum` stores it back
   (quantized) once DeepSpeed knows the step survived, and frees it; after a skipped step it is dropped at the next
