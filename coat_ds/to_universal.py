@@ -6,14 +6,15 @@ of CoatFP8AdamW or CoatFP8Lion by its dequantized fp32 moments, runs DeepSpeed's
 it. DeepSpeed's converter needs both moments: an entry of one momentum (CoatFP8Lion's `exp_avg`) gets a stand-in
 `exp_avg_sq` of -1 everywhere (a second moment is never negative), and the `exp_avg_sq.pt` files the converter writes
 from stand-ins alone (every value negative) are removed from the result, so a load gives the optimizer its momentum
-alone. (CoatFP8Muon runs on ZeRO-0, whose checkpoints load at any DP size and
-have no ZeRO shards to convert.) Load the result with `"checkpoint": {"load_universal": true}`; the optimizer
-re-quantizes the moments at its next step,
-with the groups of the new partition layout. Loaded at the same DP size, every group quantizes back to the codes and
-metadata it was saved with (coat_kernels.optim.exact_export): the run continues bit for bit. At a new DP size, only
+alone. CoatFP8Muon's checkpoints are refused with the reason: on ZeRO-1/2 its momentum (coat_ds.muon_zero) covers the
+whole matrices of a partition, which a universal checkpoint's per-fragment moments cannot hold (DeepSpeed's own Muon
+momentum does not convert either); on ZeRO-0 there are no ZeRO shards to convert and its checkpoints load at any DP
+size. Load the result with `"checkpoint": {"load_universal": true}`; the optimizer re-quantizes the moments at its next
+step, with the groups of the new partition layout. Loaded at the same DP size, every group quantizes back to the codes
+and metadata it was saved with (coat_kernels.optim.exact_export): the run continues bit for bit. At a new DP size, only
 groups re-cut by a new partition edge get new metadata. Master weights kept as bf16 partitions with CoatFP8AdamW's
-remainders (`"master_remainders": true`, coat_ds.master_partitions) are joined into the exact fp32 masters the
-universal checkpoint holds.
+remainders (`"master_remainders": true`, coat_ds.master_partitions) are joined into the exact fp32 masters the universal
+checkpoint holds.
 
     python -m coat_ds.to_universal --input_folder ckpt/global_step100 --output_folder ckpt/global_step100_universal
 
@@ -33,6 +34,8 @@ import torch
 from coat_kernels.optim import is_coat_state, to_fp32, validate_entry
 from coat_kernels.optim.master_remainders import join
 from coat_kernels.optim.state import MOMENTS, MOMENTUM, REMAINDER_KEY, config_of
+
+from .muon_zero import WHOLE_MATRICES
 
 NO_SECOND_MOMENT = -1.0  # the stand-in exp_avg_sq of an entry of one momentum: no second moment is negative
 # (master partitions, optimizer state dict) of a ZeRO-1/2 and of a ZeRO-3 optimizer shard
@@ -78,6 +81,11 @@ def expand_states(obj, found: list | None = None, config=None, where: str = "a C
     Appends to `found` per entry the moments it held (MOMENTS or MOMENTUM)."""
     found = [] if found is None else found
     if isinstance(obj, dict):
+        if WHOLE_MATRICES in obj:
+            raise ValueError(f"{where}: a CoatFP8Muon momentum over whole matrices (DeepSpeed's ZeRO-1/2 Muon path) "
+                             "cannot become a universal checkpoint, whose moments are per parameter fragment "
+                             "(DeepSpeed's own Muon momentum does not convert either); resume from this checkpoint "
+                             "at the same data-parallel size instead")
         if is_coat_state(obj):
             config = config or config_of({})
             codes = obj["exp_avg_q"]

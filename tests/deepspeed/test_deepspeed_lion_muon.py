@@ -4,6 +4,7 @@ per-parameter state functions and universal checkpoints (tests/jobs/ds_lion_univ
 import json
 import warnings
 
+import pytest
 import torch.multiprocessing as mp
 
 import ds_lion_muon_job
@@ -19,14 +20,15 @@ def test_lion_and_muon_from_the_ds_config(tmp_path):
     exp_avg_sq files), resumed on 2 ranks bit for bit and on 1 rank with exact weights, momenta and next loss.
 
     Muon on ZeRO-1/2 (DeepSpeed's Muon path, coat_ds.muon_zero): with state_dtype "fp32" the weights and losses are
-    DeepSpeed's own "type": "Muon"'s bit for bit after 3 steps (ZeRO-2 fp32 model, ZeRO-1 bf16 model); after one step every rank holding
-    a piece of a matrix, the one cut by the partition edge included, holds (1 - momentum) x the whole averaged
-    gradient autograd gives on the global batch. FP8 momentum: bit for bit DeepSpeed's Muon with its momentum rounded
-    through FP8 after each step (ZeRO-2 fp32 and ZeRO-1 bf16 models); within ds_muon_zero_job.FP8_TOLERANCE of plain
-    DeepSpeed Muon (relative to the distance it moved the weights); about 1.1 momentum bytes per matrix element; the
-    AdamW group's partition keeps its parameters' segments; a ZeRO-2 checkpoint resumes bit for bit. ZeRO-3,
+    DeepSpeed's own "type": "Muon"'s bit for bit after 3 steps (ZeRO-2 fp32 model, ZeRO-1 bf16 model); after one step
+    every rank holding a piece of a matrix, the one cut by the partition edge included, holds (1 - momentum) x the whole
+    averaged gradient autograd gives on the global batch. FP8 momentum: bit for bit DeepSpeed's Muon with its momentum
+    rounded through FP8 after each step (ZeRO-2 fp32 and ZeRO-1 bf16 models); within ds_muon_zero_job.FP8_TOLERANCE of
+    plain DeepSpeed Muon (relative to the distance it moved the weights); about 1.1 momentum bytes per matrix element;
+    the AdamW group's partition keeps its parameters' segments; a ZeRO-2 checkpoint resumes bit for bit. ZeRO-3,
     DeepSpeed-incompatible Muon options, universal-checkpoint loads and optimizer offload are refused at
-    deepspeed.initialize, naming why."""
+    deepspeed.initialize, naming why; coat_ds.to_universal refuses the Muon ZeRO-2 checkpoint, naming why and writing
+    nothing."""
     ck = tmp_path / "ck"
     mp.spawn(ds_lion_muon_job.lion_muon_worker, args=(2, str(tmp_path / "rdzv"), str(ck)), nprocs=2, join=True)
     params = sorted(p for p in (ck / "lion_z2_universal" / "zero").iterdir() if p.is_dir())
@@ -38,6 +40,11 @@ def test_lion_and_muon_from_the_ds_config(tmp_path):
               f"matrix elements ({per_element:.3f} B each; the partition: {report['partition_numel']} elements); "
               f"distance from DeepSpeed's Muon {report['fp8_distance']:.4f}")
         assert 1.0 < per_element < 1.12
+    from coat_ds.to_universal import convert
+    with pytest.raises(ValueError, match="cannot become a universal checkpoint"):
+        convert(str(ck / "muon_z2"), str(ck / "muon_z2_universal"))
+    assert not (ck / "muon_z2_universal").exists()
+    assert not [p.name for p in ck.iterdir() if p.name.startswith(".coat_dequantized_")]
     mp.spawn(ds_lion_universal_job.load_worker, args=(1, str(tmp_path / "rdzv1"), str(ck)), nprocs=1, join=True)
 
 
