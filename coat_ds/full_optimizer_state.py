@@ -61,21 +61,32 @@ def _get_full_zero12(param, key):
     """Every rank: the fp32 state `key` of `param`, one sum over the data-parallel group (fragment + error flag)."""
     from deepspeed import comm as dist
 
-    buffer = torch.zeros(param.numel() + 1, dtype=torch.float32, device=param.device)
+    numel = param.numel()
+    buffer = torch.zeros(numel + 2, dtype=torch.float32, device=param.device)  # + flags: unknown key, Muon matrix
     mapping = getattr(param, "_hp_mapping", None)
     if mapping is not None:
         try:
             fragment = _fragment_value(param, mapping, key)
         except ValueError:
-            buffer[-1] = 1.0
+            buffer[numel + (1 if _in_muon_group(param) else 0)] = 1.0
         else:
             lp = mapping.lp_fragment_address
             buffer.narrow(0, lp.start, lp.numel).copy_(fragment.reshape(-1))
     dist.all_reduce(buffer, group=param._dp_group)
-    if buffer[-1].item() > 0:
+    if buffer[numel + 1].item() > 0:
+        raise ValueError("CoatFP8Muon under ZeRO-1/2 keeps a Muon matrix's momentum over whole matrices "
+                         "(coat_ds.muon_zero), not per parameter fragment: it has no per-parameter optimizer state "
+                         "here (its AdamW groups do)")
+    if buffer[numel].item() > 0:
         raise ValueError(f"optimizer state {key!r} not found for this parameter; the COAT optimizers' per-parameter "
                          f"states are {KEYS_HELP}")
-    return buffer[:-1].reshape_as(param)
+    return buffer[:numel].reshape_as(param)
+
+
+def _in_muon_group(param) -> bool:
+    """Whether this rank's fragment of `param` is in a Muon group of a COAT optimizer (DeepSpeed's Muon path)."""
+    coat = _coat_zero12(param)
+    return coat is not None and bool(coat[1].param_groups[param._hp_mapping.param_group_index].get("use_muon"))
 
 
 def _fragment_value(param, mapping, key):

@@ -179,6 +179,15 @@ def muon_zero_checks(rank, world, ck_dir):
         assert "whole matrices" in str(exc), exc
     else:
         raise AssertionError("fp32_moments of a Muon partition under ZeRO-2 did not refuse")
+    from deepspeed.utils import safe_get_full_optimizer_state
+    for p in fp8.module.parameters():  # every rank, the cut matrix included: a ValueError naming why, no hang
+        if p.use_muon:
+            try:
+                safe_get_full_optimizer_state(p, "exp_avg")
+            except ValueError as exc:
+                assert "whole matrices" in str(exc), exc
+            else:
+                raise AssertionError("safe_get_full_optimizer_state of a Muon matrix under ZeRO-2 did not refuse")
     adamw_flat = fp8.basic_optimizer.param_groups[1]["params"][0]
     segments = fp8.basic_optimizer.state[adamw_flat]["segments"].tolist()
     assert segments == [list(s) for s in H.expected_segments([40, 40, 8], 2, rank, world)], segments
