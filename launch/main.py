@@ -7,16 +7,18 @@ one initialisation, on the same batches of the Python standard library's sources
 
 At the end: one table (validation loss and perplexity of both, the relative gap, tokens/s, optimizer-state bytes, bytes
 saved for backward measured on one micro-batch, peak GPU memory on a GPU) and a PNG of the curves, both in --out.
-On a CPU-only machine a small default (the torch references of the FP8 kernels and CoatFP8AdamW's C++ step, on as many
-threads as there are idle cores: launch.cpu_threads): both arms in about 15 minutes on two cores of an AVX2-only
-CPU with one busy, most of it the BF16 arm's bf16 GEMMs (BENCHMARKS.md); with a GPU a bigger default and the Triton
-kernels.
+On a CPU-only machine a small default (a 0.6M-parameter Llama, 300 steps; the torch references of the FP8 kernels
+and CoatFP8AdamW's C++ step, on as many threads as there are idle cores: launch.cpu_threads; in both arms the bf16
+GEMMs run as fp32 GEMMs of the bf16 operands rounded once to bf16, torch's bf16 arithmetic at fp32 speed:
+launch.bf16_gemms): the whole job in about 2 minutes on two cores of an AVX2-only CPU with one busy
+(BENCHMARKS.md); with a GPU a bigger default and the Triton kernels.
 
     python -m launch.main [--steps N] [--device cpu|cuda] [--out runs/main] [--size small|gpu|parity] [--stdlib DIR]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -30,17 +32,18 @@ import torch
 from launch import corpus as corpus_lib
 
 SIZES = {  # model and run defaults
-    # the CPU default: a 1.8M-parameter Llama, 200 steps (both arms: BENCHMARKS.md's main-job table)
-    "small": dict(hidden=128, layers=4, heads=4, kv_heads=2, ffn=352, vocab=4096, seq=128, batch=8, steps=200,
-                  lr=3e-3, eval_every=40, eval_batches=16),
+    # the CPU default: a 0.6M-parameter Llama, 300 steps of 4 x 128 tokens (both arms: BENCHMARKS.md's main-job
+    # table); eager attention (bf16 GEMMs, fp32 softmax): torch's bf16 SDPA backward is a CPU step's slowest op
+    "small": dict(hidden=128, layers=2, heads=4, kv_heads=2, ffn=352, vocab=1024, seq=128, batch=4, steps=300,
+                  lr=3e-3, eval_every=60, eval_batches=8, attention="eager"),
     "gpu": dict(hidden=768, layers=12, heads=12, kv_heads=4, ffn=2048, vocab=8192, seq=1024, batch=8, steps=600,
-                lr=1e-3, eval_every=100, eval_batches=16),
+                lr=1e-3, eval_every=100, eval_batches=16, attention="sdpa"),
     # the loss-parity model (launch/loss_parity.py): about 150M parameters, ~2.5 epochs of the corpus in 2,000 steps
     "parity": dict(hidden=1024, layers=12, heads=16, kv_heads=4, ffn=2816, vocab=8192, seq=512, batch=8, steps=2000,
-                   lr=6e-4, eval_every=100, eval_batches=32),
+                   lr=6e-4, eval_every=100, eval_batches=32, attention="sdpa"),
     # TinyLlama-1.1B's shape with the corpus vocabulary (1.0B parameters): launch/optimizer_parity.py's larger size
     "1b": dict(hidden=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=8192, seq=1024, batch=8, steps=500,
-               lr=3e-4, eval_every=50, eval_batches=16),
+               lr=3e-4, eval_every=50, eval_batches=16, attention="sdpa"),
 }
 
 
@@ -56,13 +59,14 @@ class ArmResult:
     seconds: float
 
 
-def build_model(args, vocab):
+def build_model(args, vocab, attention="sdpa"):
+    """The Llama of `args`'s shape; `attention`: its attention backend (Hugging Face's attn_implementation)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
                       num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq, rms_norm_eps=1e-5,
-                      tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa")
+                      tie_word_embeddings=False, use_cache=False, attn_implementation=attention)
     torch.manual_seed(args.seed)
     return LlamaForCausalLM(cfg)
 
@@ -150,6 +154,23 @@ def run_arm(name, model, optimizer, batches, val_batches, args, device, show_pro
             compile_layers=False):
     """Train `model` on `batches`, evaluating every args.eval_every steps; on_eval(train, val) after each;
     compile_layers: each decoder layer under torch.compile (after measuring what one forward saves)."""
+    with bf16_gemm_route(args, device):
+        return _run_arm(name, model, optimizer, batches, val_batches, args, device, show_progress, on_eval,
+                        compile_layers)
+
+
+def bf16_gemm_route(args, device):
+    """On a CPU with --bf16-gemms fp32 (the default), the bf16 autocast GEMMs run as fp32 GEMMs of the same bf16
+    operands rounded once to bf16 (launch.bf16_gemms: what torch's bf16 kernel computes, 10-35x faster on CPUs
+    without bf16 instructions); with native, or on a GPU, torch's own bf16 kernels."""
+    from launch.bf16_gemms import Bf16GemmsInFp32
+
+    if args.bf16_gemms not in ("fp32", "native"):
+        raise ValueError(f"--bf16-gemms must be fp32 or native, got {args.bf16_gemms!r}")
+    return Bf16GemmsInFp32() if device.type == "cpu" and args.bf16_gemms == "fp32" else contextlib.nullcontext()
+
+
+def _run_arm(name, model, optimizer, batches, val_batches, args, device, show_progress, on_eval, compile_layers):
     from tqdm import tqdm
 
     model.to(device).train()
@@ -202,6 +223,10 @@ def add_run_args(ap, default_size, default_out):
                                                   "Python's standard library (the pydoc topics stay)")
     ap.add_argument("--out", default=default_out)
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--bf16-gemms", choices=("fp32", "native"), default="fp32",
+                    help="on a CPU, how the bf16 autocast GEMMs run: fp32 (default) one fp32 GEMM of the bf16 operands "
+                         "rounded once to bf16, torch's bf16 arithmetic 10-35x faster on CPUs without bf16 "
+                         "instructions (launch/bf16_gemms.py); native: torch's bf16 kernels")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads (default: OMP_NUM_THREADS if set, else one per core left idle by other "
                          "processes, measured at start)")
@@ -252,7 +277,7 @@ def main(argv=None):
     print(f"corpus ready in {time.time() - t0:.1f} s: {len(data.train):,} training tokens, {len(data.val):,} "
           f"validation tokens, vocabulary {data.vocab_size}; device {device}", flush=True)
 
-    base = build_model(args, data.vocab_size)
+    base = build_model(args, data.vocab_size, attention=args.attention)
     n_params = sum(p.numel() for p in base.parameters())
     print(f"model: Llama, {n_params / 1e6:.2f}M parameters ({args.layers} layers, hidden {args.hidden}); "
           f"{args.steps} steps of {args.batch} x {args.seq} tokens", flush=True)

@@ -106,3 +106,27 @@ def test_the_main_job_routes_on_a_cpu_only_when_asked():
     assert not isinstance(M.bf16_gemm_route(args("fp32"), torch.device("cuda")), Bf16GemmsInFp32)
     with pytest.raises(ValueError, match="--bf16-gemms must be fp32 or native"):
         M.bf16_gemm_route(args("bf16"), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("choice", ["fp32", "native"])
+def test_the_main_jobs_training_loop_runs_its_gemms_through_the_mode_on_a_cpu(choice, monkeypatch):
+    """run_arm on a CPU with --bf16-gemms fp32: the forward, backward and evaluation GEMMs go through the mode's
+    fp32 route; with native, none do. A two-step run of a one-layer Llama."""
+    from launch import bf16_gemms as B
+    from launch import main as M
+
+    routed = []
+    monkeypatch.setitem(B.ROUTES, torch.ops.aten.mm.default,
+                        (lambda a, b: routed.append(a.shape) or B.mm(a, b), 2))
+    shape = argparse.Namespace(hidden=32, ffn=64, layers=1, heads=2, kv_heads=1, seq=16, seed=0)
+    base = M.build_model(shape, 64, attention="eager")
+    args = argparse.Namespace(steps=2, lr=1e-3, eval_every=2, bf16_gemms=choice)
+    model, optimizer = M.make_arm("bf16", base, args, torch.device("cpu"))
+    batches = [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    result = M.run_arm("BF16", model, optimizer, batches[:2], batches[2:], args, torch.device("cpu"), False)
+    assert len(result.train) == 2 and len(result.val) == 1
+    if choice == "fp32":
+        # per training step at least the 5 projections and the LM head forward, and their backward GEMMs
+        assert len(routed) >= 2 * 3 * 6
+    else:
+        assert routed == []
