@@ -25,7 +25,7 @@ from coat_kernels.optim import CoatFP8AdamW as _CoatFP8AdamW
 from coat_kernels.optim import CoatFP8Lion as _CoatFP8Lion
 from coat_kernels.optim import CoatFP8Muon as _CoatFP8Muon
 
-from . import muon_zero, zero_segments
+from . import muon_momentum_entry, zero_segments
 
 OPTIMIZER_NAME = "CoatFP8AdamW"  # the ds_config "optimizer" "type", and the class's name in torch.optim
 LION_NAME, MUON_NAME = "CoatFP8Lion", "CoatFP8Muon"
@@ -139,19 +139,19 @@ class CoatFP8Muon(PartitionSegments, _CoatFP8Muon):
     def load_state_dict(self, state_dict):
         """CoatFP8Muon's load_state_dict, with the whole-matrix momenta's shape tables kept int64 on the CPU, as made
         (torch casts every state tensor to its parameter's dtype and device)."""
-        tables = {pid: entry[muon_zero.WHOLE_MATRICES] for pid, entry in state_dict.get("state", {}).items()
-                  if isinstance(entry, dict) and muon_zero.WHOLE_MATRICES in entry}
+        tables = {pid: entry[muon_momentum_entry.WHOLE_MATRICES] for pid, entry in state_dict.get("state", {}).items()
+                  if isinstance(entry, dict) and muon_momentum_entry.WHOLE_MATRICES in entry}
         super().load_state_dict(state_dict)
         params = {pid: p for saved, group in zip(state_dict["param_groups"], self.param_groups)
                   for pid, p in zip(saved["params"], group["params"])}
         for pid, table in tables.items():
-            self.state[params[pid]][muon_zero.WHOLE_MATRICES] = table.to("cpu", copy=True)
+            self.state[params[pid]][muon_momentum_entry.WHOLE_MATRICES] = table.to("cpu", copy=True)
 
     def _check_entry(self, entry, p, group_index, position, cfg, own_segments=True):
         if not self.holds_deepspeed_updates(self.param_groups[group_index]):
             return super()._check_entry(entry, p, group_index, position, cfg, own_segments)
-        shapes = muon_zero.partition_shapes(p, self._model_params[group_index]) if own_segments else None
-        muon_zero.check_entry(entry, shapes, cfg, self.state_dtype, self._where(p, group_index, position))
+        shapes = muon_momentum_entry.partition_shapes(p, self._model_params[group_index]) if own_segments else None
+        muon_momentum_entry.check_entry(entry, shapes, cfg, self.state_dtype, self._where(p, group_index, position))
 
 
 OPTIMIZERS = {OPTIMIZER_NAME: CoatFP8AdamW, LION_NAME: CoatFP8Lion, MUON_NAME: CoatFP8Muon}

@@ -170,7 +170,8 @@ INTERNALS = (
               "get_hp_fragment"), "a ZeRO-1/2 or BF16_Optimizer low-precision parameter (its tensor_fragment)",
              "which run of the flat fp32 partition belongs to which parameter, at which offset (and, for CoatFP8Muon, "
              "which whole matrices a Muon partition's momentum covers)",
-             ("coat_ds.zero_segments", "coat_ds.full_optimizer_state", "coat_ds.muon_zero"), (ZERO_STAGES, MUON_ZERO)),
+             ("coat_ds.zero_segments", "coat_ds.full_optimizer_state", "coat_ds.muon_momentum_entry"),
+             (ZERO_STAGES, MUON_ZERO)),
     Internal(("ds_id", "partition_numel", "ds_numel", "ds_process_group", "ds_tensor"),
              'a ZeRO-3 parameter; a flat fp32 sub-group is named ds_id "<first ds_id>_<last ds_id>"',
              "each parameter's shard inside a flat sub-group; coat_ds.master_partitions gives the tensors it swaps in "

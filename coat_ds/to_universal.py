@@ -35,7 +35,7 @@ from coat_kernels.optim import is_coat_state, to_fp32, validate_entry
 from coat_kernels.optim.master_remainders import join
 from coat_kernels.optim.state import MOMENTS, MOMENTUM, REMAINDER_KEY, config_of
 
-from .muon_zero import WHOLE_MATRICES
+from .muon_momentum_entry import WHOLE_MATRICES
 
 NO_SECOND_MOMENT = -1.0  # the stand-in exp_avg_sq of an entry of one momentum: no second moment is negative
 # (master partitions, optimizer state dict) of a ZeRO-1/2 and of a ZeRO-3 optimizer shard
