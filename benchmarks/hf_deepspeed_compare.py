@@ -1,6 +1,6 @@
 """Hugging Face causal LMs under DeepSpeed ZeRO-2 (or 3) bf16, one process per arm, same data and seed: tokens/s, peak
 memory, a measured memory breakdown and loss curves, at one micro-batch and then at each arm's largest micro-batch.
---model is one of launch/train_ds.py's MODELS (Llama shapes up to llama2-13b, olmo2-1b, gemma3-1b, tiny variants):
+--model is one of launch/model_shapes.py's MODELS (Llama shapes up to llama2-13b, olmo2-1b, gemma3-1b, tiny variants):
 each is built with its own transformers class, and the COAT arms convert it through the ds_config's "coat" section.
 
 Arms (each is `launch/train_ds.py` with a ds_config and, for the peers, one flag):
@@ -359,10 +359,10 @@ def write_results(rows, args):
 def parse_args(argv=None):
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)  # run as a script: `launch` importable
-    from launch.train_ds import MODELS  # torch and the data modules: imported only here
+    from launch.model_shapes import MODELS  # torch: imported only here
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tinyllama-1b", choices=sorted(MODELS), help="launch/train_ds.py's MODELS")
+    p.add_argument("--model", default="tinyllama-1b", choices=sorted(MODELS), help="launch/model_shapes.py's MODELS")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--micro-batches", default=None,
