@@ -251,7 +251,7 @@ def fp8_run(layer_wise, tp_mode="blockwise"):
               "losses": losses, "ref_losses": ref_losses, **lockstep.result(),
               **update_errors(init, main_params(model, optimizer), main_params(ref_model, ref_opt)),
               "muon_state_bytes": coat.state_bytes(), "muon_numel": sum(p.numel() for p in muon_params),
-              "muon_matrices": len(muon_params),
+              "muon_matrices": len(muon_params), "muon_matrix_numels": [p.numel() for p in muon_params],
               "muon_numel_all_ranks": int(numel), "model_matrix_numel": sum(
                   p.numel() for p in model.parameters() if p.dim() == 2
                   and not getattr(p, "is_embedding_or_output_parameter", False)),

@@ -82,7 +82,11 @@ def test_momentum_state_is_fp8_at_about_1_1_bytes_per_element(job, run):
         r = rank[f"{run}_fp8"]
         assert r["codes"] == ["torch.float8_e4m3fn"]
         assert r["entry_keys"] == ["exp_avg_meta", "exp_avg_q", "group_size", "segments", "step"]
-        # 1 byte per element, 12 per group of 128, a segment row and a step per matrix (Megatron's Muon: 4)
+        # per matrix of n elements: n E4M3 codes, 12 bytes of metadata per group of 128, a segment row (3 int64) and
+        # an fp32 step (Megatron's Muon: 4 bytes per element)
+        numels = r["muon_matrix_numels"]
+        assert sum(numels) == r["muon_numel"]
+        assert r["muon_state_bytes"] == sum(n + 12 * -(-n // 128) + 3 * 8 + 4 for n in numels)
         assert 1.09 < r["muon_state_bytes"] / r["muon_numel"] < 1.11
 
 
