@@ -6,7 +6,6 @@ bits). The CPU version with two ranks and a matrix cut by the partition edge: te
 import pytest
 import torch
 
-import ds_helpers as H
 import ds_muon_zero_job as J
 
 
@@ -18,16 +17,7 @@ def single_rank(monkeypatch):
 
 
 def train(engine, steps, after_step=None):
-    losses = []
-    for step in range(steps):
-        x, y = H.batch(step, 0, torch.bfloat16, size=J.SIZE)
-        loss = engine(x.cuda(), y.cuda())
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        if after_step is not None:
-            after_step(engine)
-    return losses
+    return J.train(engine, steps, 0, torch.bfloat16, after_step=after_step, device="cuda")
 
 
 def test_muon_on_zero2_equals_deepspeeds_muon_on_a_gpu(single_rank):

@@ -86,12 +86,12 @@ def relative_distance(a, b, start):
     return num / den
 
 
-def train(engine, steps, rank, tdt, first=0, after_step=None):
+def train(engine, steps, rank, tdt, first=0, after_step=None, device="cpu"):
     """ds_job.train on micro-batches of SIZE samples (gradients of rank >= the matrices' widths: Newton-Schulz then
-    acts on a well-conditioned momentum), `after_step(engine)` after each step."""
+    acts on a well-conditioned momentum) on `device`, `after_step(engine)` after each step."""
     losses = []
     for step in range(first, first + steps):
-        loss = engine(*H.batch(step, rank, tdt, size=SIZE))
+        loss = engine(*(t.to(device) for t in H.batch(step, rank, tdt, size=SIZE)))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
