@@ -141,7 +141,8 @@ def _partners(a, a_ok, b, b_ok, log2_center):
     """For each usable log2 M' candidate a [n, A]: the indices [n, A, W] of the usable log2 m' candidates b [n, B]
     within an ulp of 2 log2 c from 2 log2 c - a (every b with fl(a + b) = 2 log2 c is among them), and which of the
     W slots hold one (rows have different counts)."""
-    sorted_b, order = torch.where(b_ok, b.double(), torch.inf).sort(dim=1)
+    # stable: candidates sharing a log2 keep their index order, so every device picks the same m'
+    sorted_b, order = torch.where(b_ok, b.double(), torch.inf).sort(dim=1, stable=True)
     target = 2 * log2_center.double()[:, None] - a.double()
     reach = _ulp(2 * log2_center).double()[:, None]
     lo = torch.searchsorted(sorted_b, target - reach)
@@ -182,7 +183,7 @@ def _search_widths(meta) -> torch.Tensor:
 def _retry_passes(missed: torch.Tensor, widths: torch.Tensor):
     """(group rows, width) passes over the missed groups, narrowest first, each within CANDIDATE_BUDGET candidates."""
     rows = missed.nonzero()[:, 0]
-    rows = rows[widths[rows].argsort()]
+    rows = rows[widths[rows].argsort(stable=True)]
     start = 0
     while start < len(rows):
         count = max(1, CANDIDATE_BUDGET // (2 * int(widths[rows[start]]) + 1))
