@@ -63,8 +63,9 @@ class MomentBatch:
         return self._split(values)
 
     def quantize(self, values: list[torch.Tensor], cfg: DREConfig) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(codes, metadata) of each tensor's fp32 values (any shape, its numel): views into one result each."""
-        flat = values[0].reshape(-1) if len(values) == 1 else torch.cat([v.reshape(-1) for v in values])
+        """(codes, metadata) of each tensor's fp32 values (any shape, its numel): views into one result each. Values
+        that lie end to end in one buffer (`dequantize`'s views, updated in place) are read there, not copied."""
+        flat = _joined_values(values)
         if self.use_triton:
             from . import dre_triton
 
@@ -82,6 +83,20 @@ class MomentBatch:
 
     def _split_groups(self, meta: torch.Tensor) -> list[torch.Tensor]:
         return list(meta.split([lay.num_groups for lay in self.layouts], dim=1))
+
+
+def _joined_values(values: list[torch.Tensor]) -> torch.Tensor:
+    """The values end to end, flat: a view when they already lie end to end in one buffer (the views `dequantize`
+    returns, updated in place), else a copy."""
+    first = values[0]
+    total = 0
+    for v in values:
+        if not (v.is_contiguous() and v.dtype == first.dtype and v.device == first.device
+                and v.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                and v.storage_offset() == first.storage_offset() + total):
+            return torch.cat([v.reshape(-1) for v in values])
+        total += v.numel()
+    return first.as_strided((total,), (1,))
 
 
 def _joined(codes: list[torch.Tensor]) -> torch.Tensor:

@@ -251,10 +251,10 @@ class CoatFP8Muon(unquantized.ReferenceArm, CoatFP8Optimizer):
 
 
 def muon_update(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, h: MuonScalars):
-    """(new momentum fp32, new parameter) of one Muon step from the momentum m (fp32, p's shape), in
-    torch.optim.Muon's operations."""
+    """(new momentum fp32, new parameter) of one Muon step from the momentum m (fp32, p's shape; updated in place, as
+    torch.optim.Muon updates its buffer), in torch.optim.Muon's operations."""
     g = grad.to(m.dtype)
-    m = m.lerp(g, 1 - h.momentum)
+    m.lerp_(g, 1 - h.momentum)
     update = g.lerp(m, h.momentum) if h.nesterov else m
     update = newton_schulz(update, h.ns_coefficients, h.ns_steps, h.eps)
     new_p = p.mul(1 - h.lr * h.weight_decay).add_(update, alpha=-adjusted_lr(h.lr, h.adjust_lr_fn, p.shape))

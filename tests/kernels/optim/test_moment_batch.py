@@ -44,6 +44,28 @@ def test_one_call_gives_each_tensor_the_bits_of_its_own_call(use_triton):
     assert int(batch.skipped(finite)) == layouts[1].num_groups + layouts[2].num_groups
 
 
+def test_quantize_reads_values_lying_end_to_end_in_place_and_copies_others(monkeypatch):
+    """dequantize's views, updated in place, reach the quantizer as one view of their buffer (no copy); values
+    elsewhere are joined by a copy; the codes are the same either way."""
+    layouts, values = layouts_and_values(32)
+    batch = moment_batch.MomentBatch(layouts, torch.device("cpu"), False)
+    codes, metas = batch.quantize(values, CFG)
+    views = batch.dequantize(codes, metas)
+    seen = []
+    real = dre_reference.quantize
+    monkeypatch.setattr(dre_reference, "quantize", lambda flat, *a: seen.append(flat) or real(flat, *a))
+    for v in views:
+        v.mul_(0.5)
+    halved_codes, halved_metas = batch.quantize(views, CFG)
+    assert seen[-1].data_ptr() == views[0].data_ptr() and seen[-1].numel() == sum(v.numel() for v in views)
+    apart = [v.clone() for v in views]
+    apart_codes, apart_metas = batch.quantize(apart, CFG)
+    assert seen[-1].data_ptr() not in {v.data_ptr() for v in apart}
+    for a, b, ma, mb in zip(halved_codes, apart_codes, halved_metas, apart_metas):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) and torch.equal(ma, mb)
+    assert moment_batch._joined_values(views[1:]).data_ptr() == views[1].data_ptr()  # a run from mid-buffer
+
+
 def oracle_steps(weights, grads_per_step, kwargs):
     """torch.optim.Muon, one matrix at a time, its momentum_buffer the dequantized FP8 momentum before each step and
     quantized (the torch reference) after it; a matrix with a NaN/Inf gradient keeps everything."""
