@@ -20,10 +20,11 @@ Shared with CoatFP8AdamW (coat_kernels.optim.base): the COAT options, state entr
 exp_avg_sq keys), validation, state dicts, pickling, the non-finite policy: a Muon matrix whose gradient holds NaN/Inf
 keeps its parameter and momentum (all its quantization groups count as skipped: Newton-Schulz mixes the whole
 matrix). `torch_format_state_dict`: Muon groups' momentum as torch.optim.Muon's `momentum_buffer`, which
-`load_state_dict` also takes. Newton-Schulz runs in torch on the parameter's device, one matrix at a time; the momenta
-of a group's matrices are (de)quantized together (coat_kernels.optim.moment_batch: one call each way per batch of
-matrices), by the Triton kernels on CUDA, the torch reference elsewhere; a step makes no host synchronisation on the
-Triton path. Engines must hand Muon groups whole matrices (no ZeRO partitions: `param_segments` must say None for
+`load_state_dict` also takes. Newton-Schulz runs in torch on the parameter's device, one matrix at a time. On the
+Triton path one kernel per matrix dequantizes the momentum, steps it, writes the update and re-quantizes it
+(coat_kernels.optim.muon_triton), with no host synchronisation; elsewhere the momenta of a group's matrices are
+dequantized together, stepped in torch and quantized together (coat_kernels.optim.moment_batch, the torch
+reference). Engines must hand Muon groups whole matrices (no ZeRO partitions: `param_segments` must say None for
 them).
 
 state_dtype="fp32" or "bf16" (default "fp8"): the reference arm, moments unquantized in that dtype
@@ -168,10 +169,32 @@ class CoatFP8Muon(unquantized.ReferenceArm, CoatFP8Optimizer):
                 raise RuntimeError(f"CoatFP8Muon needs whole 2-D matrices in Muon groups, got a tensor of shape "
                                    f"{tuple(p.shape)} (a ZeRO partition or shard?)")
         counter = self._counter(key[1])
+        if key[0]:
+            counter.add_(self._run_muon_kernels(key[1], items, cfg.moment_configs()[0]))
+            return
         layouts = [it[3] for it in items]
         for indices in moment_batch.batches(layouts):
             batch_items = [items[i] for i in indices]
             counter.add_(self._run_muon_batch(key, batch_items, cfg.moment_configs()[0]))
+
+    def _run_muon_kernels(self, device: torch.device, items: list, m_cfg) -> torch.Tensor:
+        """Muon steps of `items` on the Triton momentum kernel (muon_triton: the momentum dequantized, stepped and
+        re-quantized in one pass, the update written for Newton-Schulz), one launch per matrix; no host
+        synchronisation. Returns the skipped groups (int32, 0-dim, on the device)."""
+        from . import muon_triton
+        from .dre_triton import TILE_GROUPS
+
+        skipped = []
+        for p, grad, st, layout, h in items:
+            rows = self._launchers.get(layout)
+            if rows is None:
+                rows = self._launchers[layout] = layout.rows(TILE_GROUPS).to(device)
+            ok = torch.isfinite(grad).all()
+            update = muon_triton.momentum_step(grad, st["exp_avg_q"], st["exp_avg_meta"], layout, h.momentum,
+                                               h.nesterov, ok, m_cfg, rows)
+            torch.where(ok, apply_update(p, update, h), p, out=p)
+            skipped.append(torch.where(ok, 0, layout.num_groups))
+        return torch.stack(skipped).sum(dtype=torch.int32)
 
     def _run_muon_batch(self, key: tuple, items: list, m_cfg) -> torch.Tensor:
         """Muon steps of `items` with their momenta (de)quantized in one call each (a MomentBatch, kept per list of
@@ -255,10 +278,13 @@ def muon_update(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, h: MuonSca
     torch.optim.Muon updates its buffer), in torch.optim.Muon's operations."""
     g = grad.to(m.dtype)
     m.lerp_(g, 1 - h.momentum)
-    update = g.lerp(m, h.momentum) if h.nesterov else m
+    return m, apply_update(p, g.lerp(m, h.momentum) if h.nesterov else m, h)
+
+
+def apply_update(p: torch.Tensor, update: torch.Tensor, h: MuonScalars) -> torch.Tensor:
+    """The new parameter from the momentum's update (p's shape): orthogonalised, then p (1 - lr wd) - lr' update."""
     update = newton_schulz(update, h.ns_coefficients, h.ns_steps, h.eps)
-    new_p = p.mul(1 - h.lr * h.weight_decay).add_(update, alpha=-adjusted_lr(h.lr, h.adjust_lr_fn, p.shape))
-    return m, new_p
+    return p.mul(1 - h.lr * h.weight_decay).add_(update, alpha=-adjusted_lr(h.lr, h.adjust_lr_fn, p.shape))
 
 
 def _from_torch_muon(entry):

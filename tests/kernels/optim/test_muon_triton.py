@@ -1,0 +1,83 @@
+"""CoatFP8Muon's Triton momentum kernel under the interpreter against the torch reference of the same step: the FP8
+momentum dequantized, torch's lerps (torch.optim.Muon's operations), re-quantized. The update Newton-Schulz starts
+from must be bit-equal (it depends on the decoder and the lerps, which the interpreter computes exactly); codes and
+metadata within the interpreter's fp8 rounding (its fp32->fp8 casts do not round to nearest even). Bit-exact codes
+are checked on the GPU (tests/gpu/test_lion_muon_gpu.py)."""
+import pytest
+import torch
+
+from coat_kernels.optim import CoatFP8Muon, muon_triton
+from coat_kernels.optim.dre_reference import DREConfig, dequantize, quantize
+from coat_kernels.optim.grouping import build_layout
+
+CFG = DREConfig("e4m3")
+
+
+def momentum_state(shape, seed, group_size=128):
+    gen = torch.Generator().manual_seed(seed)
+    n = shape[0] * shape[1]
+    layout = build_layout(None, n, group_size)
+    m = torch.randn(n, generator=gen) * torch.logspace(-5, 0, n)
+    codes, meta = quantize(m, layout, CFG)
+    grad = torch.randn(shape, generator=gen) * torch.logspace(-4, -1, n).view(shape)
+    return layout, codes, meta, grad
+
+
+def reference_step(grad, codes, meta, layout, momentum, nesterov):
+    m = dequantize(codes, meta, layout).view(grad.shape)
+    m.lerp_(grad, 1 - momentum)
+    update = grad.lerp(m, momentum) if nesterov else m.clone()
+    return update, *quantize(m.reshape(-1), layout, CFG)
+
+
+def assert_codes_close(codes, meta, ref_codes, ref_meta):
+    torch.testing.assert_close(meta, ref_meta, rtol=1e-5, atol=1e-5)
+    differ = (codes.view(torch.uint8).int() - ref_codes.view(torch.uint8).int()).abs()
+    assert int(differ.max()) <= 1 and float((differ > 0).float().mean()) < 0.01  # fp8 casts round differently
+
+
+@pytest.mark.parametrize("momentum,nesterov", [(0.95, True), (0.95, False), (0.3, True)])
+def test_momentum_kernel_is_the_torch_step(momentum, nesterov):
+    """0.95: the momentum's lerp takes the small-weight form and Nesterov's the large one; 0.3 the other way round."""
+    layout, codes, meta, grad = momentum_state((40, 70), 0)
+    ref_update, ref_codes, ref_meta = reference_step(grad, codes, meta, layout, momentum, nesterov)
+    update = muon_triton.momentum_step(grad, codes, meta, layout, momentum, nesterov, torch.tensor(True), CFG)
+    assert update.dtype == torch.float32 and update.shape == grad.shape
+    assert torch.equal(update.view(torch.int32), ref_update.view(torch.int32))
+    assert_codes_close(codes, meta, ref_codes, ref_meta)
+
+
+def test_a_matrix_with_a_nonfinite_gradient_keeps_its_momentum():
+    layout, codes, meta, grad = momentum_state((24, 64), 1)
+    grad[3, 5] = float("nan")
+    before = codes.clone(), meta.clone()
+    muon_triton.momentum_step(grad, codes, meta, layout, 0.95, True, torch.isfinite(grad).all(), CFG)
+    assert torch.equal(codes.view(torch.uint8), before[0].view(torch.uint8)) and torch.equal(meta, before[1])
+
+
+def test_a_gradient_of_another_size_is_refused():
+    layout, codes, meta, grad = momentum_state((8, 64), 2)
+    with pytest.raises(ValueError, match="gradient of 256 elements"):
+        muon_triton.momentum_step(grad[:4], codes, meta, layout, 0.95, True, torch.tensor(True), CFG)
+
+
+def test_triton_backend_steps_like_the_torch_backend():
+    """CoatFP8Muon on the kernel (backend "triton", interpreted) against backend "torch" over a few steps, a NaN
+    gradient included: the same parameters within the codes' interpreter rounding, the same skipped groups."""
+    gen = torch.Generator().manual_seed(3)
+    init = [torch.randn(s, generator=gen) * 0.1 for s in ((48, 32), (32, 80))]
+    runs = {}
+    for backend in ("torch", "triton"):
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        opt = CoatFP8Muon(params, lr=0.02, backend=backend, group_size=32)
+        grads_gen = torch.Generator().manual_seed(4)
+        for step in range(4):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=grads_gen) * 1e-2
+            if step == 2:
+                params[1].grad[0, 0] = float("inf")
+            opt.step()
+        runs[backend] = params, opt.skipped_groups
+    for a, b in zip(runs["torch"][0], runs["triton"][0]):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    assert int(runs["torch"][1]) == int(runs["triton"][1]) == 32 * 80 // 32
