@@ -1,5 +1,5 @@
 """What benchmarks/four_gpu_runbook.md relies on, checked on CPU without training: launch/train_ds.py's 13B, OLMo-2
-and Gemma 3 shapes (parameter counts from the published shapes' formulas, their transformers classes, every decoder
+and Gemma 3 shapes (the last two measured on one GPU since, with the commands the runbook had) (parameter counts from the published shapes' formulas, their transformers classes, every decoder
 layer convertible by its coat_hf family), benchmarks/hf_deepspeed_compare.py's largest-micro-batch search and time
 bounds (against a simulated GPU memory), and the runbook's commands themselves (each parses, fits the device's
 limits of one command)."""
@@ -273,7 +273,7 @@ def test_runbook_commands_parse_and_fit_one_device_call(compare, train_ds):
                 assert all(1 <= micro <= args.max_micro_batch for _, micro in
                            compare.parse_arms(args.arms, args.micro_batch))
                 invocations += 1
-    assert invocations == 2 + 2 + 2  # calls 1 and 3 for both GPU sizes, call 2's two models
+    assert invocations == 2 + 2  # calls 1 and 3, for both GPU sizes
 
 
 def test_runbook_checkpoint_selection_names_the_four_gpu_test():
