@@ -1,5 +1,5 @@
 """What benchmarks/four_gpu_runbook.md relies on, checked on CPU without training: launch/train_ds.py's 13B, OLMo-2
-and Gemma 3 shapes (the last two measured on one GPU since, with the commands the runbook had) (parameter counts from the published shapes' formulas, their transformers classes, every decoder
+and Gemma 3 shapes (parameter counts from the published shapes' formulas, their transformers classes, every decoder
 layer convertible by its coat_hf family), benchmarks/hf_deepspeed_compare.py's largest-micro-batch search and time
 bounds (against a simulated GPU memory), and the runbook's commands themselves (each parses, fits the device's
 limits of one command)."""
