@@ -164,10 +164,14 @@ class CoatFP8Muon(unquantized.ReferenceArm, CoatFP8Optimizer):
     def _run_batch(self, group: dict, key: tuple, items: list, cfg: OptimizerConfig) -> None:
         if not group["use_muon"]:
             return run_adamw_batch(self, key, items, cfg)
-        for p, *_ in items:
+        for p, _, _, layout, _ in items:
             if p.dim() != 2:
                 raise RuntimeError(f"CoatFP8Muon needs whole 2-D matrices in Muon groups, got a tensor of shape "
                                    f"{tuple(p.shape)} (a ZeRO partition or shard?)")
+            covered = sum(n for _, n, _ in layout.runs)
+            if covered != p.numel():
+                raise RuntimeError(f"CoatFP8Muon needs whole matrices in Muon groups: param_segments gives "
+                                   f"{covered} of the {tuple(p.shape)} matrix's {p.numel()} elements")
         counter = self._counter(key[1])
         if key[0]:
             counter.add_(self._run_muon_kernels(key[1], items, cfg.moment_configs()[0]))

@@ -83,3 +83,21 @@ def test_triton_backend_steps_like_the_torch_backend(dtype):
     for a, b in zip(runs["torch"][0], runs["triton"][0]):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5 if dtype == torch.float32 else 1e-3)  # bf16: 2 ulps at 0.1
     assert int(runs["torch"][1]) == int(runs["triton"][1]) == 32 * 80 // 32
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_matrix_its_segments_cover_only_in_part_is_refused(backend):
+    """An engine whose param_segments leave part of a Muon matrix outside every group gets an error before anything
+    is written (Newton-Schulz needs the whole matrix's momentum), on the kernel and on the reference alike."""
+
+    class PartialSegments(CoatFP8Muon):
+        def param_segments(self, param, group_index):
+            return [(0, param.numel() - 16, 0)]
+
+    w = torch.nn.Parameter(torch.randn(8, 64))
+    before = w.detach().clone()
+    opt = PartialSegments([w], lr=0.02, backend=backend, group_size=32)
+    w.grad = torch.randn(8, 64)
+    with pytest.raises(RuntimeError, match="param_segments gives 496 of the \\(8, 64\\) matrix's 512 elements"):
+        opt.step()
+    assert torch.equal(w.detach(), before)
