@@ -127,3 +127,14 @@ def states_equal(a: dict, b: dict) -> list[str]:
         elif x != y:
             bad.append(key)
     return bad
+
+
+def assert_refused(call, *words: str, error: type[Exception] = ValueError, what: str = "the call") -> str:
+    """call() must raise `error` with every one of `words` in its message; returns the message."""
+    try:
+        call()
+    except error as exc:
+        message = str(exc)
+        assert all(word in message for word in words), message
+        return message
+    raise AssertionError(f"{what} was not refused")

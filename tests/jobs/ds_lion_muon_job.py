@@ -51,13 +51,9 @@ def lion_muon_worker(rank, world, rendezvous, ck_dir):
         torch.distributed.all_gather(gathered, p.detach().contiguous())
         assert all(torch.equal(g, gathered[0]) for g in gathered)
     model = H.make_model()
-    try:
-        deepspeed.initialize(model=model, model_parameters=muon_param_groups(model),
-                             config=H.ds_config(0, "bf16", optimizer=muon))
-    except ValueError as exc:
-        assert "whole weight matrices" in str(exc) and "BF16_Optimizer" in str(exc), exc
-    else:
-        raise AssertionError("CoatFP8Muon on ZeRO-0 with bf16 was not refused")
+    H.assert_refused(lambda: deepspeed.initialize(model=model, model_parameters=muon_param_groups(model),
+                                                  config=H.ds_config(0, "bf16", optimizer=muon)),
+                     "whole weight matrices", "BF16_Optimizer", what="CoatFP8Muon on ZeRO-0 with bf16")
     ds_muon_zero_job.muon_zero_checks(rank, world, ck_dir)
     print(f"rank {rank}: Lion ZeRO-1/2 + resume, Muon ZeRO-0, Muon ZeRO-0 bf16 refused, Muon ZeRO-1/2 OK", flush=True)
     H.end_rank_process()

@@ -59,12 +59,8 @@ def save(rank, ck_dir):
             assert torch.equal(full.reshape(-1).narrow(0, lp.start, lp.numel), own)
         safe_set_full_optimizer_state(p, full, "exp_avg")
         momenta.append(full.reshape(-1).clone())
-        try:
-            safe_get_full_optimizer_state(p, "exp_avg_sq")
-        except ValueError as exc:
-            assert "'exp_avg'" in str(exc), exc
-        else:
-            raise AssertionError("exp_avg_sq of a Lion state was not refused")
+        H.assert_refused(lambda: safe_get_full_optimizer_state(p, "exp_avg_sq"), "'exp_avg'",
+                         what="exp_avg_sq of a Lion state")
     assert not H.states_equal(state, before), H.states_equal(state, before)  # set(get) changed nothing
     assert "exp_avg_sq_q" not in state
     engine.save_checkpoint(ck_dir, tag="lion_z2", client_state={UNIVERSAL_CHECKPOINT_INFO: {}})

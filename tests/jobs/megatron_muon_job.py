@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from megatron_optimizer_job import train_step  # noqa: E402 - the same training step as the Adam job's
 from rank_helpers import init_gloo_rank  # noqa: E402
 
 STEPS = 3
@@ -104,20 +105,6 @@ def use_coat(optimizer):
     from coat_megatron.optimizer import use_coat_optimizer
 
     return use_coat_optimizer(optimizer, group_size=128)
-
-
-def train_step(model, optimizer, it):
-    from megatron_job import batch
-
-    model.zero_grad_buffer()
-    optimizer.zero_grad()
-    tokens, position_ids, mask, labels = batch(100 + it)
-    loss = model(tokens, position_ids, mask, labels=labels).float().mean()
-    loss.backward()
-    model.finish_grad_sync()
-    ok, _, _ = optimizer.step()
-    assert ok
-    return loss.item()
 
 
 def model_params(model):
