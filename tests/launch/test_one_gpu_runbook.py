@@ -70,8 +70,9 @@ def check_recipe(argv):
 
 
 def test_the_runs_it_builds_on_are_in_the_repository():
-    """Calls 2 and 3 copy the 1.0B runs already measured beside their own: fp32 seed 0, bf16 moments, COAT."""
+    """Calls 2 and 3 copy the 1.0B runs already measured beside their own: fp32 seed 0, bf16 moments, COAT (the
+    folder keeps the later calls' runs too)."""
     runs = REPO / "benchmarks" / "optimizer_runs" / "opt1b_h200"
-    assert {p.name for p in runs.glob("*-seed*.json")} == {"fp32-seed0.json", "bf16_moments-seed0.json",
+    assert {p.name for p in runs.glob("*-seed*.json")} >= {"fp32-seed0.json", "bf16_moments-seed0.json",
                                                           "coat-seed0.json"}
     assert "cp benchmarks/optimizer_runs/opt1b_h200/*.json" in blocks()[1]
