@@ -162,3 +162,23 @@ def exp2_p(y, COARSE: tl.constexpr = False):
         p = fma_p(p, f, 1.0000001)
         r = tl.minimum((p * two_n) * tl.where(n > 127, 2.0, 1.0), 3.4028234663852886e38)
     return tl.where(y < -126.0, 0.0, r)
+
+
+@triton.jit
+def to_bf16_p(x):
+    """fp32 -> bf16 rounded to nearest even, as torch's `.bfloat16()` and the GPU's cvt.rn round (the interpreter's
+    cast truncates): the carry of the 16 dropped bits added to the kept ones. NaN stays a (quiet) NaN; overflow
+    rounds to infinity."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    rounded = tl.where(x != x, bits | 0x400000, rounded)
+    return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def to_dtype_p(x, DTYPE: tl.constexpr):
+    """fp32 x rounded to DTYPE (fp32, bf16 or fp16) to nearest even, on the GPU and under the interpreter alike."""
+    if DTYPE == tl.bfloat16:
+        return to_bf16_p(x)
+    else:
+        return x.to(DTYPE)

@@ -182,9 +182,9 @@ class CoatFP8Muon(unquantized.ReferenceArm, CoatFP8Optimizer):
             counter.add_(self._run_muon_batch(key, batch_items, cfg.moment_configs()[0]))
 
     def _run_muon_kernels(self, device: torch.device, items: list, m_cfg) -> torch.Tensor:
-        """Muon steps of `items` on the Triton momentum kernel (muon_triton: the momentum dequantized, stepped and
-        re-quantized in one pass, the update written for Newton-Schulz), one launch per matrix; no host
-        synchronisation. Returns the skipped groups (int32, 0-dim, on the device)."""
+        """Muon steps of `items` on muon_triton's kernels (the momentum dequantized, stepped and re-quantized in one
+        pass, the update written for Newton-Schulz; Newton-Schulz; the parameter updated in one pass), one launch of
+        each per matrix; no host synchronisation. Returns the skipped groups (int32, 0-dim, on the device)."""
         from . import muon_triton
         from .dre_triton import TILE_GROUPS
 
@@ -196,7 +196,9 @@ class CoatFP8Muon(unquantized.ReferenceArm, CoatFP8Optimizer):
             ok = torch.isfinite(grad).all()
             update = muon_triton.momentum_step(grad, st["exp_avg_q"], st["exp_avg_meta"], layout, h.momentum,
                                                h.nesterov, ok, m_cfg, rows)
-            torch.where(ok, apply_update(p, update, h), p, out=p)
+            orthogonal = newton_schulz(update, h.ns_coefficients, h.ns_steps, h.eps)
+            muon_triton.apply_update_(p, orthogonal, 1 - h.lr * h.weight_decay, adjusted_lr(h.lr, h.adjust_lr_fn,
+                                                                                           p.shape), ok)
             skipped.append(torch.where(ok, 0, layout.num_groups))
         return torch.stack(skipped).sum(dtype=torch.int32)
 

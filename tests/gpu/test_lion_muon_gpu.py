@@ -112,3 +112,25 @@ def test_fp8_muon_step_on_cuda_is_the_reference_and_never_waits_on_the_host(monk
         assert same_bits(opt.state[p]["exp_avg_q"], ref_opt.state[q]["exp_avg_q"])
         assert same_bits(opt.state[p]["exp_avg_meta"], ref_opt.state[q]["exp_avg_meta"])
     assert opt.skipped_groups == ref_opt.skipped_groups == 300 * 700 // 128 + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tall", [False, True])
+def test_muon_parameter_kernel_is_torch_muons_update_on_cuda(dtype, tall):
+    """muon_triton.apply_update_ = torch.optim.Muon's `p.mul_(1 - lr wd).add_(O, alpha=-lr')` on CUDA bit for bit,
+    fp32 and bf16 parameters, O transposed (Newton-Schulz's output for tall matrices) or not; a matrix whose gradient
+    was not finite is left as it was."""
+    from coat_kernels.optim import muon_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    shape = (700, 300) if tall else (300, 700)
+    p = (torch.randn(shape, device="cuda", generator=gen) * 0.1).to(dtype)
+    o = torch.randn(shape[::-1], device="cuda", generator=gen).bfloat16().T if tall else torch.randn(
+        shape, device="cuda", generator=gen).bfloat16()
+    decay, lr = 1 - 0.02 * 0.1, 0.02 * 0.2 * 700 ** 0.5
+    expected = p.clone().mul_(decay).add_(o, alpha=-lr)
+    kept = p.clone()
+    muon_triton.apply_update_(kept, o, decay, lr, torch.tensor(False, device="cuda"))
+    muon_triton.apply_update_(p, o, decay, lr, torch.tensor(True, device="cuda"))
+    assert same_bits(p, expected)
+    assert same_bits(kept, expected.new_tensor(kept)) and not same_bits(kept, expected)

@@ -1,8 +1,9 @@
 """CoatFP8Muon's Triton momentum kernel under the interpreter against the torch reference of the same step: the FP8
-momentum dequantized, torch's lerps (torch.optim.Muon's operations), re-quantized. The update Newton-Schulz starts
-from must be bit-equal (it depends on the decoder and the lerps, which the interpreter computes exactly); codes and
-metadata within the interpreter's fp8 rounding (its fp32->fp8 casts do not round to nearest even). Bit-exact codes
-are checked on the GPU (tests/gpu/test_lion_muon_gpu.py)."""
+momentum dequantized, torch's lerps (torch.optim.Muon's operations), re-quantized; and its parameter kernel against
+torch.optim.Muon's `p.mul_(1 - lr wd).add_(O, alpha=-lr')`. The update Newton-Schulz starts from (bf16) must be
+bit-equal (it depends on the decoder and the lerps, which the interpreter computes exactly), and so must the
+parameters; codes and metadata within the interpreter's fp8 rounding (its fp32->fp8 casts do not round to nearest
+even). Bit-exact codes are checked on the GPU (tests/gpu/test_lion_muon_gpu.py)."""
 import pytest
 import torch
 
@@ -42,8 +43,8 @@ def test_momentum_kernel_is_the_torch_step(momentum, nesterov):
     layout, codes, meta, grad = momentum_state((40, 70), 0)
     ref_update, ref_codes, ref_meta = reference_step(grad, codes, meta, layout, momentum, nesterov)
     update = muon_triton.momentum_step(grad, codes, meta, layout, momentum, nesterov, torch.tensor(True), CFG)
-    assert update.dtype == torch.float32 and update.shape == grad.shape
-    assert torch.equal(update.view(torch.int32), ref_update.view(torch.int32))
+    assert update.dtype == torch.bfloat16 and update.shape == grad.shape
+    assert torch.equal(update.view(torch.int16), ref_update.bfloat16().view(torch.int16))
     assert_codes_close(codes, meta, ref_codes, ref_meta)
 
 
@@ -101,3 +102,38 @@ def test_a_matrix_its_segments_cover_only_in_part_is_refused(backend):
     with pytest.raises(RuntimeError, match="param_segments gives 496 of the \\(8, 64\\) matrix's 512 elements"):
         opt.step()
     assert torch.equal(w.detach(), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tall", [False, True])
+def test_parameter_kernel_is_torch_muons_update(dtype, tall):
+    """Newton-Schulz returns a transposed view for tall matrices: the kernel reads it by its strides. Shapes that
+    are not multiples of the kernel's tile, weight decay on. bf16 parameters against the formula torch's CUDA add
+    computes (the GPU test checks it against torch on CUDA)."""
+    gen = torch.Generator().manual_seed(7)
+    shape = (150, 70) if tall else (70, 150)
+    p = (torch.randn(shape, generator=gen) * 0.1).to(dtype)
+    orthogonal = torch.randn(shape[::-1], generator=gen).bfloat16().T if tall else torch.randn(
+        shape, generator=gen).bfloat16()
+    decay, lr = 1 - 0.02 * 0.1, 0.02 * 0.2 * 150 ** 0.5
+    expected = p.clone().mul_(decay)
+    if dtype == torch.float32:
+        expected.add_(orthogonal, alpha=-lr)
+    else:  # torch on CUDA: alpha in fp32, one rounding to bf16 (on the CPU torch rounds alpha to bf16 first)
+        alpha = torch.tensor(-lr, dtype=torch.float32).double()
+        expected = (expected.double() + alpha * orthogonal.double()).float().bfloat16()
+    muon_triton.apply_update_(p, orthogonal, decay, lr, torch.tensor(True))
+    assert torch.equal(p.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+def test_parameter_kernel_writes_nothing_when_the_gradient_was_not_finite():
+    p = torch.randn(40, 90)
+    before = p.clone()
+    muon_triton.apply_update_(p, torch.full((40, 90), float("nan")).bfloat16(), 0.99, 0.1, torch.tensor(False))
+    assert torch.equal(p.view(torch.int32), before.view(torch.int32))
+
+
+def test_parameter_kernel_refuses_an_update_of_another_shape():
+    with pytest.raises(ValueError, match="update of shape \\(8, 4\\) for a parameter of shape \\(4, 8\\)"):
+        muon_triton.apply_update_(torch.zeros(4, 8), torch.zeros(8, 4).bfloat16(), 1.0, 0.1, torch.tensor(True))
