@@ -21,8 +21,9 @@ exp_avg_sq keys), validation, state dicts, pickling, the non-finite policy: a Mu
 keeps its parameter and momentum (all its quantization groups count as skipped: Newton-Schulz mixes the whole
 matrix). `torch_format_state_dict`: Muon groups' momentum as torch.optim.Muon's `momentum_buffer`, which
 `load_state_dict` also takes. Newton-Schulz runs in torch on the parameter's device, one matrix at a time. On the
-Triton path one kernel per matrix dequantizes the momentum, steps it, writes the update and re-quantizes it
-(coat_kernels.optim.muon_triton), with no host synchronisation; elsewhere the momenta of a group's matrices are
+Triton path (coat_kernels.optim.muon_triton) two launches per batch of matrices check their gradients, dequantize
+the momenta, step them, write the updates and re-quantize them, and one launch per matrix updates the parameter,
+with no host synchronisation; elsewhere the momenta of a group's matrices are
 dequantized together, stepped in torch and quantized together (coat_kernels.optim.moment_batch, the torch
 reference). Engines must hand Muon groups whole matrices (no ZeRO partitions: `param_segments` must say None for
 them).
@@ -182,24 +183,30 @@ class CoatFP8Muon(unquantized.ReferenceArm, CoatFP8Optimizer):
             counter.add_(self._run_muon_batch(key, batch_items, cfg.moment_configs()[0]))
 
     def _run_muon_kernels(self, device: torch.device, items: list, m_cfg) -> torch.Tensor:
-        """Muon steps of `items` on muon_triton's kernels (the momentum dequantized, stepped and re-quantized in one
-        pass, the update written for Newton-Schulz; Newton-Schulz; the parameter updated in one pass), one launch of
-        each per matrix; no host synchronisation. Returns the skipped groups (int32, 0-dim, on the device)."""
+        """Muon steps of `items` on muon_triton's kernels: per batch of matrices (one gradient dtype, at most
+        moment_batch's element count, which bounds the bf16 updates held at once) their finiteness and momenta in two
+        launches, then per matrix Newton-Schulz and the parameter's update in one launch; no host synchronisation.
+        Returns the skipped groups (int32, 0-dim, on the device)."""
         from . import muon_triton
-        from .dre_triton import TILE_GROUPS
 
         skipped = []
-        for p, grad, st, layout, h in items:
-            rows = self._launchers.get(layout)
-            if rows is None:
-                rows = self._launchers[layout] = layout.rows(TILE_GROUPS).to(device)
-            ok = torch.isfinite(grad).all()
-            update = muon_triton.momentum_step(grad, st["exp_avg_q"], st["exp_avg_meta"], layout, h.momentum,
-                                               h.nesterov, ok, m_cfg, rows)
-            orthogonal = newton_schulz(update, h.ns_coefficients, h.ns_steps, h.eps)
-            muon_triton.apply_update_(p, orthogonal, 1 - h.lr * h.weight_decay, adjusted_lr(h.lr, h.adjust_lr_fn,
-                                                                                           p.shape), ok)
-            skipped.append(torch.where(ok, 0, layout.num_groups))
+        for dtype in dict.fromkeys(it[1].dtype for it in items):
+            same_dtype = [it for it in items if it[1].dtype == dtype]
+            for indices in moment_batch.batches([it[3] for it in same_dtype]):
+                batch_items = [same_dtype[i] for i in indices]
+                key = ("muon_kernels", device, dtype) + tuple(id(it[3]) for it in batch_items)
+                batch = self._launchers.get(key)
+                if batch is None:
+                    batch = self._launchers[key] = muon_triton.MomentumBatch([it[3] for it in batch_items], device)
+                h = batch_items[0][4]
+                updates, flags = batch.step([it[1] for it in batch_items], [it[2]["exp_avg_q"] for it in batch_items],
+                                            [it[2]["exp_avg_meta"] for it in batch_items], h.momentum, h.nesterov,
+                                            m_cfg)
+                for i, ((p, _, _, _, h), update) in enumerate(zip(batch_items, updates)):
+                    orthogonal = newton_schulz(update, h.ns_coefficients, h.ns_steps, h.eps)
+                    muon_triton.apply_update_(p, orthogonal, 1 - h.lr * h.weight_decay,
+                                              adjusted_lr(h.lr, h.adjust_lr_fn, p.shape), flags[i])
+                skipped.append(batch.skipped(flags))
         return torch.stack(skipped).sum(dtype=torch.int32)
 
     def _run_muon_batch(self, key: tuple, items: list, m_cfg) -> torch.Tensor:

@@ -81,9 +81,11 @@ def test_muon_fp32_state_is_torch_muon_on_cuda_and_fp8_tracks_it():
 
 
 def test_fp8_muon_step_on_cuda_is_the_reference_and_never_waits_on_the_host(monkeypatch):
-    """The Triton momentum kernel (muon_triton, one launch per matrix: dequantize, torch's two lerps as fused
-    multiply-adds, re-quantize) = the torch reference (batched momenta, several batches, torch's own lerps on CUDA)
-    bit for bit; after the first step (which builds the kernel rows) a step makes no host synchronisation."""
+    """The Triton kernels (muon_triton: per batch of matrices the finiteness flags and the momenta, dequantized,
+    stepped by torch's two lerps as fused multiply-adds and re-quantized; per matrix the parameter's update) = the
+    torch reference (batched momenta, torch's own lerps and parameter update on CUDA) bit for bit, over several
+    batches, a NaN gradient included; after the first step (which builds the kernel rows) a step makes no host
+    synchronisation (the pointer table is copied from pinned memory)."""
     from coat_kernels.optim import moment_batch
 
     monkeypatch.setattr(moment_batch, "MAX_BATCH_NUMEL", 600_000)

@@ -37,29 +37,58 @@ def assert_codes_close(codes, meta, ref_codes, ref_meta):
     assert int(differ.max()) <= 1 and float((differ > 0).float().mean()) < 0.01  # fp8 casts round differently
 
 
+def kernel_step(grads, states, momentum=0.95, nesterov=True):
+    """MomentumBatch over the matrices of `states` ((layout, codes, meta) each), their momenta stepped in place."""
+    batch = muon_triton.MomentumBatch([layout for layout, _, _ in states], torch.device("cpu"))
+    updates, flags = batch.step(grads, [c for _, c, _ in states], [m for _, _, m in states], momentum, nesterov, CFG)
+    return updates, flags, batch
+
+
 @pytest.mark.parametrize("momentum,nesterov", [(0.95, True), (0.95, False), (0.3, True)])
 def test_momentum_kernel_is_the_torch_step(momentum, nesterov):
     """0.95: the momentum's lerp takes the small-weight form and Nesterov's the large one; 0.3 the other way round."""
     layout, codes, meta, grad = momentum_state((40, 70), 0)
     ref_update, ref_codes, ref_meta = reference_step(grad, codes, meta, layout, momentum, nesterov)
-    update = muon_triton.momentum_step(grad, codes, meta, layout, momentum, nesterov, torch.tensor(True), CFG)
-    assert update.dtype == torch.bfloat16 and update.shape == grad.shape
+    (update,), flags, _ = kernel_step([grad], [(layout, codes, meta)], momentum, nesterov)
+    assert update.dtype == torch.bfloat16 and update.shape == grad.shape and flags.tolist() == [1]
     assert torch.equal(update.view(torch.int16), ref_update.bfloat16().view(torch.int16))
     assert_codes_close(codes, meta, ref_codes, ref_meta)
 
 
-def test_a_matrix_with_a_nonfinite_gradient_keeps_its_momentum():
-    layout, codes, meta, grad = momentum_state((24, 64), 1)
-    grad[3, 5] = float("nan")
-    before = codes.clone(), meta.clone()
-    muon_triton.momentum_step(grad, codes, meta, layout, 0.95, True, torch.isfinite(grad).all(), CFG)
-    assert torch.equal(codes.view(torch.uint8), before[0].view(torch.uint8)) and torch.equal(meta, before[1])
+def test_one_launch_steps_several_matrices_and_skips_the_nonfinite_one():
+    """Three matrices in one batch (sizes that end inside a launch row, bf16 gradients), the second with an Inf and
+    a NaN: each of the others is its own torch step, the second keeps its codes and metadata, flags and the skipped
+    groups say which."""
+    shapes = [(40, 70), (24, 64), (9, 100)]
+    states, grads, refs = [], [], []
+    for i, shape in enumerate(shapes):
+        layout, codes, meta, grad = momentum_state(shape, 10 + i)
+        grad = grad.bfloat16()
+        if i == 1:
+            grad[3, 5], grad[7, 1] = float("inf"), float("nan")
+            refs.append((None, codes.clone(), meta.clone()))
+        else:
+            refs.append(reference_step(grad.float(), codes, meta, layout, 0.95, True))
+        states.append((layout, codes, meta))
+        grads.append(grad)
+    updates, flags, batch = kernel_step(grads, states)
+    assert flags.tolist() == [1, 0, 1]
+    assert int(batch.skipped(flags)) == states[1][0].num_groups
+    for (layout, codes, meta), (ref_update, ref_codes, ref_meta), update in zip(states, refs, updates):
+        if ref_update is None:
+            assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8)) and torch.equal(meta, ref_meta)
+            continue
+        assert torch.equal(update.view(torch.int16), ref_update.bfloat16().view(torch.int16))
+        assert_codes_close(codes, meta, ref_codes, ref_meta)
 
 
-def test_a_gradient_of_another_size_is_refused():
+def test_gradients_of_another_size_or_mixed_dtypes_are_refused():
     layout, codes, meta, grad = momentum_state((8, 64), 2)
-    with pytest.raises(ValueError, match="gradient of 256 elements"):
-        muon_triton.momentum_step(grad[:4], codes, meta, layout, 0.95, True, torch.tensor(True), CFG)
+    other = momentum_state((8, 64), 3)
+    with pytest.raises(ValueError, match="gradients of \\[256\\] elements for momentum layouts of \\[512\\]"):
+        kernel_step([grad[:4]], [(layout, codes, meta)])
+    with pytest.raises(TypeError, match="one launch steps gradients of one dtype"):
+        kernel_step([grad, other[3].bfloat16()], [(layout, codes, meta), other[:3]])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
