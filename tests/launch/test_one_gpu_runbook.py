@@ -28,7 +28,7 @@ def script_words(line, marker):
 
 def test_each_call_fits_one_device_command():
     calls = blocks()
-    assert len(calls) == 3
+    assert len(calls) == 4
     for block in calls:
         assert block.startswith(PROLOGUE + "\n") and len(block) <= 2000, block[:200]
         assert len(re.findall(r"tar czf \$OUT/\S+\.tgz", block)) == 1
@@ -54,12 +54,12 @@ def test_every_invocation_parses_and_names_what_exists():
                     argv = [w.replace(f"${variable}", value) if variable else w for w in script_words(line, marker)]
                     check([w.replace("$R", "/tmp/r").replace("$gpu_port", "29650") for w in argv])
                     invocations += 1
-    assert invocations == 4 + 3 + 2  # call 1's recipes, call 2's arms, call 3's seeds
+    assert invocations == 4 + 3 + 2 + 3  # call 1's recipes, call 2's arms, call 3's seeds, call 4's Muon arms
 
 
 def check_parity(argv):
     args = optimizer_parity.parse_args(argv)
-    assert args.size == "1b" and args.arm in optimizer_parity.ARMS
+    assert args.size in ("1b", "parity") and args.arm in optimizer_parity.ARMS
 
 
 def check_recipe(argv):
