@@ -23,10 +23,9 @@ matrix). `torch_format_state_dict`: Muon groups' momentum as torch.optim.Muon's 
 `load_state_dict` also takes. Newton-Schulz runs in torch on the parameter's device, one matrix at a time. On the
 Triton path (coat_kernels.optim.muon_triton) two launches per batch of matrices check their gradients, dequantize
 the momenta, step them, write the updates and re-quantize them, and one launch per matrix updates the parameter,
-with no host synchronisation; elsewhere the momenta of a group's matrices are
-dequantized together, stepped in torch and quantized together (coat_kernels.optim.moment_batch, the torch
-reference). Engines must hand Muon groups whole matrices (no ZeRO partitions: `param_segments` must say None for
-them).
+with no host synchronisation; elsewhere the momenta of a group's matrices are dequantized together, stepped in torch
+and quantized together (coat_kernels.optim.moment_batch, the torch reference). Engines must hand Muon groups whole
+matrices (no ZeRO partitions: `param_segments` must say None for them).
 
 state_dtype="fp32" or "bf16" (default "fp8"): the reference arm, moments unquantized in that dtype
 (coat_kernels.optim.unquantized): with "fp32" a Muon group's step is torch.optim.Muon's.

@@ -19,6 +19,8 @@ the whole matrix is skipped, as Newton-Schulz mixes all of it. No host synchroni
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -92,9 +94,8 @@ class MomentumBatch:
         self.layouts, self.device = list(layouts), torch.device(device)
         if len({layout.group_size for layout in self.layouts}) != 1:
             raise ValueError("one MomentumBatch needs one group_size")
-        numels = [layout.numel for layout in self.layouts]
-        self.offsets = [sum(numels[:i]) for i in range(len(numels))]
-        self.total = sum(numels)
+        ends = list(itertools.accumulate(layout.numel for layout in self.layouts))
+        self.offsets, self.total = [0] + ends[:-1], ends[-1] if ends else 0
         rows = rows_for(self.layouts, TILE_GROUPS)
         update_start = torch.tensor(self.offsets, dtype=torch.int64)[rows[:, 0]] + rows[:, 1]
         self.rows = torch.cat([rows, update_start[:, None]], dim=1).contiguous().to(self.device)
