@@ -32,8 +32,10 @@ from .dre_triton import (TILE_GROUPS, _TRITON_DTYPES, _decode_group_tile, _encod
                          _row_tile, rows_for)
 from .grouping import GroupLayout
 
-ROW_COLUMNS = 5  # a launch row: (matrix, flat_start, numel, first_group, start in the batch's update buffer)
-TABLE_COLUMNS = 4  # per matrix: gradient, codes and metadata pointers, number of groups
+# A launch row: (matrix, flat_start, numel, first_group, start in the batch's update buffer).
+ROW_COLUMNS: tl.constexpr = tl.constexpr(5)
+# Per matrix: gradient, codes and metadata pointers, number of groups.
+TABLE_COLUMNS: tl.constexpr = tl.constexpr(4)
 
 
 @triton.jit
