@@ -32,11 +32,11 @@
 # layouts (TP must divide the model's heads and FFN; an arm's GPU count must divide the GPUs visible; arms needing
 # more GPUs than visible are skipped). RUN_TIMEOUT: each training run is stopped after that many seconds.
 # MICROS: the micro-batch sizes to run (global batch = micro-batch, one micro-batch per step). "max": the largest
-# that fits, predicted from the same arm's run at the first size (its peak and its memory between iterations, linear
-# in the micro-batch), tried, and lowered (by 1/8; by 1 below 16) while it runs out of memory; "max:N": the same
-# search from N. ITERS iterations at fixed sizes, MAX_ITERS (default 30) at "max". RESUME=1: runs whose log in
-# OUT_DIR ran to its end are kept, not run again (a command stopped by a time limit continues where it was). The
-# first fixed size that ran to its end is the one "max" predicts from. 1-GPU arms run NGPUS at a time
+# that fits, predicted from the same arm's runs at the fixed sizes (peak memory linear in the micro-batch: the slope
+# between the two largest sizes that finished; with one size, its peak above the memory held between iterations,
+# which underestimates arms whose state grows after the first step: give two sizes, e.g. MICROS="4 16 max"), tried,
+# and lowered (by 1/8; by 1 below 16) while it runs out of memory; "max:N": the same search from N. ITERS iterations at fixed sizes, MAX_ITERS (default 30) at "max". RESUME=1: runs whose log in
+# OUT_DIR ran to its end are kept, not run again (a command stopped by a time limit continues where it was). 1-GPU arms run NGPUS at a time
 # (one per GPU); N-GPU arms alone, skipped where fewer than N GPUs are visible. DRY_RUN=1: print each run's command
 # instead of running it.
 # MODEL=gpt370m (default): 24 layers, hidden 1024, 16 heads, SwiGLU FFN 2816, seq 1024; gpt1b: 16 layers, hidden
@@ -185,15 +185,16 @@ run() {  # run LOG GPUS NPROC PORT MICRO ITERS ARM: one training run; its exit s
   echo "== $(basename "$log" .log): exit $rc"
   return $rc
 }
-# what a run that does not fit says (cuBLAS and cuDNN report a failed allocation their own way)
+# what a run that does not fit says (cuBLAS, cuDNN and NCCL report a failed allocation their own way)
 OOM="out of memory|OutOfMemoryError|ALLOC_FAILED|cudaErrorMemoryAllocation|CUDNN_STATUS_(ALLOC|INTERNAL|EXECUTION)"
+OOM+="|Failed to CUDA calloc"
 
 finished() {  # finished LOG: the run wrote its closing memory report
   grep -qs "\[coat_megatron\] rank 0 memory allocated after training" "$1"
 }
 
 run_arm() {  # run_arm ARM GPUS NPROC PORT: every size in MICROS
-  local arm=$1 gpus=$2 nproc=$3 port=$4 first="" micro
+  local arm=$1 gpus=$2 nproc=$3 port=$4 micro sizes=()
   for micro in ${MICROS:-8}; do
     if [[ $micro != max* ]]; then
       local log="$OUT/${arm}_mb${micro}.log"
@@ -202,8 +203,8 @@ run_arm() {  # run_arm ARM GPUS NPROC PORT: every size in MICROS
       else
         run "$log" "$gpus" "$nproc" "$port" "$micro" "$ITERS" "$arm" || true
       fi
-      # "max" is predicted from the first size that ran to its end
-      if [[ ${DRY_RUN:-0} == 1 ]] || finished "$log"; then first=${first:-$micro}; fi
+      # "max" is predicted from the fixed sizes that ran to their end
+      if [[ ${DRY_RUN:-0} == 1 ]] || finished "$log"; then sizes+=("$log"); fi
       continue
     fi
     if [[ ${RESUME:-0} == 1 ]] && finished "$OUT/${arm}_mbmax.log"; then
@@ -213,10 +214,10 @@ run_arm() {  # run_arm ARM GPUS NPROC PORT: every size in MICROS
     if [[ $micro == max:* ]]; then
       micro=${micro#max:}
     elif [[ ${DRY_RUN:-0} == 1 ]]; then
-      echo "== ${arm}_mbmax: the largest micro-batch, predicted from ${arm}_mb${first:-?}.log, then the same command"
+      echo "== ${arm}_mbmax: the largest micro-batch, predicted from ${sizes[*]##*/}, then the same command"
       continue
     else
-      micro=$(python3 -m launch.megatron_report --predict-max "$OUT/${arm}_mb${first}.log" --micro "$first") || {
+      (( ${#sizes[@]} )) && micro=$(python3 -m launch.megatron_report --predict-max "${sizes[@]}") || {
         echo "== $arm: no prediction of the largest micro-batch (needs a run of a fixed size that finished)"
         continue; }
     fi

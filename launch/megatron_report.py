@@ -1,7 +1,7 @@
 """Tables, JSON and loss curves from the logs of launch/megatron_compare.sh; and its largest-micro-batch prediction.
 
     python -m launch.megatron_report OUT_DIR [--skip N]        -> OUT_DIR/results.md, results.json, loss.png
-    python -m launch.megatron_report --predict-max LOG --micro M
+    python -m launch.megatron_report --predict-max LOG [LOG ...]
 
 Speed: the mean of the logged ms/iteration (each the mean of its log interval) over the intervals ending after
 iteration --skip (default: 10, past warm-up and CUDA-graph capture); tokens/s = micro-batch x sequence x
@@ -34,6 +34,9 @@ BASELINE = "te_bf16_tp1"
 BLOCKWISE = "te_fp8_blockwise"
 LOSS_FAMILIES = ("coat", BLOCKWISE, "te_bf16")  # the arms of loss.png, by the name before the layout
 LAYOUT = re.compile(r"_((?:tp\d+_dp\d+)|(?:tp\d+(?:_sp)?)|(?:dp\d+))$")
+# What a run that does not fit says: PyTorch's allocator, cuBLAS (ALLOC_FAILED), NCCL (its own small allocations
+# fail first when the card is full: "Failed to CUDA calloc").
+OUT_OF_MEMORY = r"out of memory|OutOfMemoryError|ALLOC_FAILED|Failed to CUDA calloc"
 MEMORY_BUDGET = 0.88  # of the card, for the largest micro-batch: allocator fragmentation and transient buffers
 
 
@@ -58,7 +61,7 @@ def parse_log(path: str) -> dict:
            "seq": int(args["seq_length"]) if "seq_length" in args else None,
            "dp": int(args.get("data_parallel_size", 1) or 1),
            "finished": bool(points) and points[-1][0] == int(args.get("train_iters", -1)),
-           "oom": bool(re.search(r"out of memory|OutOfMemoryError|ALLOC_FAILED", text, re.I))}
+           "oom": bool(re.search(OUT_OF_MEMORY, text, re.I))}
     if m := PEAK.search(text):
         run["peak_gib"] = float(m.group(1))
     if m := HELD.search(text):
@@ -95,17 +98,39 @@ def speed(run: dict, skip: int) -> None:
     run["final_loss"] = losses[-1] if losses else None
 
 
-def predict_max(log: str, micro: int) -> int:
-    """The largest micro-batch whose peak fits MEMORY_BUDGET of the card, from one finished run at `micro`."""
-    if not os.path.exists(log):
-        raise SystemExit(f"{log}: no such log (the run at that micro-batch did not start)")
-    run = parse_log(log)
-    if "peak_gib" not in run or "held_gib" not in run:
-        raise SystemExit(f"{log}: no memory report (the run did not finish)")
-    per_sample = (run["peak_gib"] - run["held_gib"]) / micro
+def predict_max(logs: list) -> int:
+    """The largest micro-batch whose peak fits MEMORY_BUDGET of the card, from finished runs of one arm.
+
+    With runs at two or more sizes, the peak's growth per sample is the slope between the two largest; with one
+    run, it is that run's peak above the memory held between iterations, over its micro-batch. One run
+    underestimates the growth where that run's peak came before memory held later was allocated (optimizer state
+    created at the first step, FP8 weight copies), so a second size makes the prediction reliable.
+    """
+    runs = []
+    for log in logs:
+        if not os.path.exists(log):
+            raise SystemExit(f"{log}: no such log (the run at that micro-batch did not start)")
+        run = parse_log(log)
+        if "peak_gib" not in run or "held_gib" not in run or not run["micro"]:
+            raise SystemExit(f"{log}: no memory report (the run did not finish)")
+        runs.append(run)
+    if not runs:
+        raise SystemExit("no log to predict from")
+    runs.sort(key=lambda r: r["micro"])
+    top = runs[-1]
+    budget = MEMORY_BUDGET * top["card_gib"]
+    below = [r for r in runs if r["micro"] < top["micro"]]
+    if below:
+        low = below[-1]
+        per_sample = (top["peak_gib"] - low["peak_gib"]) / (top["micro"] - low["micro"])
+        if per_sample <= 0:
+            raise SystemExit(f"{top['log']}: peak {top['peak_gib']} GiB not above {low['log']}'s "
+                             f"{low['peak_gib']} GiB")
+        return max(1, top["micro"] + int((budget - top["peak_gib"]) / per_sample))
+    per_sample = (top["peak_gib"] - top["held_gib"]) / top["micro"]
     if per_sample <= 0:
-        raise SystemExit(f"{log}: peak {run['peak_gib']} GiB not above the memory held {run['held_gib']} GiB")
-    return max(1, int((MEMORY_BUDGET * run["card_gib"] - run["held_gib"]) / per_sample))
+        raise SystemExit(f"{top['log']}: peak {top['peak_gib']} GiB not above the memory held {top['held_gib']} GiB")
+    return max(1, int((budget - top["held_gib"]) / per_sample))
 
 
 def ratio(value, reference) -> str:
@@ -238,13 +263,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out", nargs="?")
     ap.add_argument("--skip", type=int, default=10, help="iterations left out of the speed (warm-up, graph capture)")
-    ap.add_argument("--predict-max", metavar="LOG")
-    ap.add_argument("--micro", type=int, help="the micro-batch of --predict-max's run")
+    ap.add_argument("--predict-max", metavar="LOG", nargs="+",
+                    help="finished logs of one arm at fixed micro-batches: print the largest micro-batch predicted")
     args = ap.parse_args()
     if args.predict_max:
-        if not args.micro:
-            ap.error("--predict-max needs --micro")
-        print(predict_max(args.predict_max, args.micro))
+        print(predict_max(args.predict_max))
         return
     if not args.out:
         ap.error("OUT_DIR or --predict-max")

@@ -110,3 +110,53 @@ def test_resume_keeps_runs_that_finished_and_runs_the_rest(tmp_path):
     assert "--micro-batch-size 8 " in command_of(out.stdout, "coat_tp1_mb8")
     again = dry_run(tmp_path, "coat_tp1", MICROS="4 8")  # without RESUME every run is run again
     assert "--micro-batch-size 4 " in command_of(again.stdout, "coat_tp1_mb4")
+
+
+FAKE_TRAINING = r'''#!/usr/bin/env bash
+# python3 for megatron_compare.sh: a training run writes a log as coat_megatron.pretrain_gpt would, with a peak of
+# 20 + 1.5 x micro GiB on a 100 GiB card (held between iterations: 24 GiB), and above 50 dies the way NCCL does when
+# the card is full; anything else goes to the real interpreter.
+if [[ "$1 $2" == "-m torch.distributed.run" ]]; then
+  micro=$(echo "$*" | sed -E 's/.*--micro-batch-size ([0-9]+).*/\1/')
+  iters=$(echo "$*" | sed -E 's/.*--train-iters ([0-9]+).*/\1/')
+  echo "  micro_batch_size ................................ $micro"
+  echo "  seq_length ...................................... 2048"
+  echo "  train_iters ..................................... $iters"
+  if (( micro > 50 )); then echo "[rank0]: Failed to CUDA calloc async 4 bytes"; exit 1; fi
+  echo " [t] iteration $iters/ $iters | elapsed time per iteration (ms): 100.0 | lm loss: 1.0E+00 |"
+  echo "[coat_megatron] rank 0 peak memory allocated: $(( 20 + 3 * micro / 2 )).00 GiB"
+  echo "[coat_megatron] rank 0 memory allocated after training: 24.00 GiB of 100.00 GiB"
+  exit 0
+fi
+exec "$REAL_PYTHON" "$@"
+'''
+
+
+def search(tmp_path, micros):
+    """megatron_compare.sh's coat_tp1 at MICROS=micros over FAKE_TRAINING: (its output, the sizes "max" tried)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(FAKE_TRAINING)
+    (bin_dir / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "REAL_PYTHON": sys.executable, "DATA": "mock",
+           "NGPUS": "1", "MICROS": micros, "ARMS": "coat_tp1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(["bash", "launch/megatron_compare.sh", str(tmp_path / "out"), "30"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out, [line.split("--micro-batch-size ")[1].split()[0] for line in out.stdout.splitlines()
+                 if line.startswith("== coat_tp1_mbmax: CUDA")]
+
+
+def test_largest_micro_batch_search_predicts_from_two_sizes(tmp_path):
+    out, sizes = search(tmp_path, "4 16 max")
+    # peaks 26 at 4 and 44 at 16: 1.5 GiB per sample -> 16 + (0.88 * 100 - 44) / 1.5 = 45 fits at once (from 4
+    # alone, 0.5 GiB per sample over 24 held, it would predict 128)
+    assert sizes == ["45"], out.stdout
+    assert "| coat_tp1 | 45 |" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_largest_micro_batch_search_lowers_the_size_after_an_nccl_allocation_failure(tmp_path):
+    out, sizes = search(tmp_path, "max:64")
+    assert sizes == ["64", "56", "49"], out.stdout  # lowered by 1/8 while NCCL fails to allocate
+    assert sorted(p.name for p in (tmp_path / "out").glob("*_oom.log")) == ["coat_tp1_mb56_oom.log",
+                                                                            "coat_tp1_mb64_oom.log"]

@@ -60,17 +60,44 @@ def test_two_gpu_arms_are_compared_with_te_bf16_of_their_layout_and_of_one_gpu(t
     assert (tmp_path / "loss.png").stat().st_size > 1000
 
 
-def test_largest_micro_batch_prediction(tmp_path):
+def test_largest_micro_batch_prediction_from_one_size(tmp_path):
     log = tmp_path / "coat_tp1_mb4.log"
     write_log(log, 4, 100.0, [9, 8, 7, 6, 5, 4], peak=30.0, held=10.0, card=80.0)
     # 5 GiB per sample over 10 GiB held: (0.88 * 80 - 10) / 5 = 12.08
-    assert R.predict_max(str(log), 4) == 12
-    out = subprocess.run([sys.executable, "-m", "launch.megatron_report", "--predict-max", str(log), "--micro", "4"],
+    assert R.predict_max([str(log)]) == 12
+    out = subprocess.run([sys.executable, "-m", "launch.megatron_report", "--predict-max", str(log)],
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "12"
     write_log(log, 4, 100.0, [9, 8], finished=False)
     with pytest.raises(SystemExit, match="did not finish"):
-        R.predict_max(str(log), 4)
+        R.predict_max([str(log)])
+
+
+def test_largest_micro_batch_prediction_from_two_sizes_uses_their_slope(tmp_path):
+    # TE's memory stack on one H200 (139.80 GiB): 31.15 GiB peak at 4 over 28.13 held, 107.14 at 48. From 4 alone:
+    # 0.755 GiB per sample -> 125, which ran out of memory; the slope between 4 and 48 is 1.727 GiB per sample:
+    # 48 + (0.88 * 139.80 - 107.14) / 1.727 = 57.2
+    small, large = tmp_path / "te_memstack_tp1_mb4.log", tmp_path / "te_memstack_tp1_mb48.log"
+    write_log(small, 4, 175.2, [9, 8, 7, 6, 5, 4], peak=31.15, held=28.13, card=139.80)
+    write_log(large, 48, 1662.9, [9, 8, 7, 6, 5, 4], peak=107.14, held=28.13, card=139.80)
+    assert R.predict_max([str(small)]) == 125
+    assert R.predict_max([str(large), str(small)]) == 57
+    out = subprocess.run([sys.executable, "-m", "launch.megatron_report", "--predict-max", str(small), str(large)],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "57"
+    write_log(large, 48, 1662.9, [9, 8, 7, 6, 5, 4], peak=30.0, held=28.13, card=139.80)
+    with pytest.raises(SystemExit, match="not above"):
+        R.predict_max([str(small), str(large)])
+
+
+def test_nccl_failing_to_allocate_counts_as_out_of_memory(tmp_path):
+    log = tmp_path / "coat_tp1_mb71.log"
+    write_log(log, 71, 1.0, [], finished=False)
+    assert not R.parse_log(str(log))["oom"]
+    with open(log, "a") as f:
+        f.write("[rank0]: ncclUnhandledCudaError: Call to CUDA function failed.\n[rank0]: Last error:\n"
+                "[rank0]: Failed to CUDA calloc async 4 bytes\n")
+    assert R.parse_log(str(log))["oom"]
 
 
 def test_blockwise_ratios_largest_micro_batch_against_the_fastest_te_arm_and_the_loss_plot_arms(tmp_path):
@@ -118,4 +145,4 @@ def test_tp_times_dp_layouts_have_their_own_references_and_dp_scaling(tmp_path):
 
 def test_prediction_from_a_missing_log_says_so(tmp_path):
     with pytest.raises(SystemExit, match="no such log"):
-        R.predict_max(str(tmp_path / "coat_tp1_mb4.log"), 4)
+        R.predict_max([str(tmp_path / "coat_tp1_mb4.log")])
