@@ -2,8 +2,8 @@
 device command (2,000 characters) and, where it runs something long, leaves 90 s of the 600 s to the rest (its
 `timeout`s add up to at most 510 s); the parts calls bring over every part of the split wheel, one per call under the
 64 MiB carry limit; the build is TE.md's; the compare calls together run every arm of the comparison, each a command
-launch/megatron_compare.sh accepts (its DRY_RUN on one GPU), all into one folder with RESUME, each ending with an
-archive under $OUT; call 7 starts from the logs measured so far."""
+launch/megatron_compare.sh accepts (its DRY_RUN on the runbook's GPUs) with RESUME, each ending with an archive of its
+folder under $OUT; the one-GPU runbook's call 7 starts from the logs measured so far."""
 import os
 import re
 import shlex
