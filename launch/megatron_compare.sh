@@ -31,14 +31,15 @@
 # asserts --lr-warmup-iters < --train-iters: LR_WARMUP_ITERS, default 20, must be below TRAIN_ITERS and MAX_ITERS);
 # layouts (TP must divide the model's heads and FFN; an arm's GPU count must divide the GPUs visible; arms needing
 # more GPUs than visible are skipped). RUN_TIMEOUT: each training run is stopped after that many seconds.
-# MICROS: the micro-batch sizes to run (global batch = micro-batch, one micro-batch per step). "max": the largest
-# that fits, predicted from the same arm's runs at the fixed sizes (peak memory linear in the micro-batch: the slope
-# between the two largest sizes that finished; with one size, its peak above the memory held between iterations,
-# which underestimates arms whose state grows after the first step: give two sizes, e.g. MICROS="4 16 max"), tried,
-# and lowered (by 1/8; by 1 below 16) while it runs out of memory; "max:N": the same search from N. ITERS iterations at fixed sizes, MAX_ITERS (default 30) at "max". RESUME=1: runs whose log in
-# OUT_DIR ran to its end are kept, not run again (a command stopped by a time limit continues where it was). 1-GPU arms run NGPUS at a time
-# (one per GPU); N-GPU arms alone, skipped where fewer than N GPUs are visible. DRY_RUN=1: print each run's command
-# instead of running it.
+# MICROS: the micro-batch sizes to run (global batch = micro-batch, one micro-batch per step). "max": the largest that
+# fits, predicted from the same arm's runs at the fixed sizes (peak memory linear in the micro-batch: the slope
+# between the two largest sizes that finished; with one size, its peak above the memory held between iterations, which
+# underestimates arms whose state grows after the first step: give two sizes, e.g. MICROS="4 16 max"), tried, and
+# lowered (by 1/8; by 1 below 16) while it runs out of memory; "max:N": the same search from N. ITERS iterations at
+# fixed sizes, MAX_ITERS (default 30) at "max". RESUME=1: runs whose log in OUT_DIR ran to its end are kept, not run
+# again (a command stopped by a time limit continues where it was). 1-GPU arms run NGPUS at a time (one per GPU);
+# N-GPU arms alone, skipped where fewer than N GPUs are visible. DRY_RUN=1: print each run's command instead of
+# running it.
 # MODEL=gpt370m (default): 24 layers, hidden 1024, 16 heads, SwiGLU FFN 2816, seq 1024; gpt1b: 16 layers, hidden
 # 2048, 16 heads, FFN 5632 (~0.95B parameters), seq 1024; gpt7b8l: Llama-2-7B's layer shape (hidden 4096, 32 heads,
 # FFN 11008) cut to 8 layers, seq 2048; llama2_7b: the same with Llama-2-7B's 32 layers. All: RMSNorm, RoPE, untied
