@@ -186,9 +186,8 @@ run() {  # run LOG GPUS NPROC PORT MICRO ITERS ARM: one training run; its exit s
   echo "== $(basename "$log" .log): exit $rc"
   return $rc
 }
-# what a run that does not fit says (cuBLAS, cuDNN and NCCL report a failed allocation their own way)
-OOM="out of memory|OutOfMemoryError|ALLOC_FAILED|cudaErrorMemoryAllocation|CUDNN_STATUS_(ALLOC|INTERNAL|EXECUTION)"
-OOM+="|Failed to CUDA calloc"
+# what a run that does not fit says (cuBLAS, cuDNN and NCCL report a failed allocation their own way): the report's
+OOM=$(python3 -c "from launch.megatron_report import OUT_OF_MEMORY; print(OUT_OF_MEMORY)")
 
 finished() {  # finished LOG: the run wrote its closing memory report
   grep -qs "\[coat_megatron\] rank 0 memory allocated after training" "$1"

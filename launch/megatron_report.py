@@ -34,9 +34,11 @@ BASELINE = "te_bf16_tp1"
 BLOCKWISE = "te_fp8_blockwise"
 LOSS_FAMILIES = ("coat", BLOCKWISE, "te_bf16")  # the arms of loss.png, by the name before the layout
 LAYOUT = re.compile(r"_((?:tp\d+_dp\d+)|(?:tp\d+(?:_sp)?)|(?:dp\d+))$")
-# What a run that does not fit says: PyTorch's allocator, cuBLAS (ALLOC_FAILED), NCCL (its own small allocations
-# fail first when the card is full: "Failed to CUDA calloc").
-OUT_OF_MEMORY = r"out of memory|OutOfMemoryError|ALLOC_FAILED|Failed to CUDA calloc"
+# What a run that does not fit says (case-insensitive; megatron_compare.sh's search reads it from here): PyTorch's
+# allocator, cuBLAS (ALLOC_FAILED), the CUDA runtime, cuDNN, NCCL (its own small allocations fail first when the card
+# is full: "Failed to CUDA calloc").
+OUT_OF_MEMORY = (r"out of memory|OutOfMemoryError|ALLOC_FAILED|cudaErrorMemoryAllocation"
+                 r"|CUDNN_STATUS_(ALLOC|INTERNAL|EXECUTION)|Failed to CUDA calloc")
 MEMORY_BUDGET = 0.88  # of the card, for the largest micro-batch: allocator fragmentation and transient buffers
 
 
