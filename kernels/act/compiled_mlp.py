@@ -10,7 +10,7 @@ from torch import Tensor
 
 from . import block_bodies as body
 from .block_parts import DEFAULT_CONFIG, WeightOperand, output_dtype, plain_env
-from .compiled_parts import (absent, check_norm, gemm_grads_fake, grad_or_zeros, keep_grads, norm_grads_fake,
+from .compiled_parts import (check_norm, gemm_grads_fake, grad_or_zeros, keep_grads, norm_grads_fake,
                              norm_outputs_fake, or_absent, rows_of, scale_like, split_rows, swiglu_saved_fake)
 from .gemm import check_gemm_dims
 from .weights import WeightPieces, as_pieces

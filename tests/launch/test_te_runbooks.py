@@ -3,13 +3,12 @@ device command (2,000 characters) and, where it runs something long, leaves 90 s
 `timeout`s add up to at most 510 s); the parts calls bring over every part of the split wheel, one per call under the
 64 MiB carry limit; the build is TE.md's; the compare calls together run every arm of the comparison, each a command
 launch/megatron_compare.sh accepts (its DRY_RUN on the runbook's GPUs) with RESUME, each ending with an archive of its
-folder under $OUT; the one-GPU runbook's call 7 starts from the logs measured so far."""
+folder under $OUT."""
 import os
 import re
 import shlex
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -91,28 +90,3 @@ def test_the_build_is_te_mds_and_the_compare_calls_cover_every_arm(tmp_path, run
                              proc.stdout), proc.stdout
             assert ("max" in settings["MICROS"]) == (f"== {arm}_mbmax: the largest micro-batch" in proc.stdout)
     assert covered == arms
-
-
-def test_the_calls_start_from_the_measured_logs(tmp_path):
-    """Call 7 unpacks the logs measured so far into the compare folder and turns the runs at 48 that were set by
-    hand into fixed sizes; with RESUME the compare calls then run only what is missing (DRY_RUN over those logs)."""
-    archive = ROOT / "benchmarks" / "megatron_runs" / "te_blockwise_1gpu_h200" / "logs.tgz"
-    build = next(s for s in sections() if s[0].startswith("Call 7"))[2][0]
-    unpack = next(ln for ln in build.splitlines() if "logs.tgz" in ln)
-    assert unpack.startswith(f"mkdir -p /tmp/te1 && tar xzf {archive.relative_to(ROOT)} -C /tmp/te1")
-    out = tmp_path / "te1"
-    out.mkdir()
-    with tarfile.open(archive) as tar:
-        tar.extractall(out, filter="data")
-    subprocess.run(["bash", "-c", unpack.split(" && ", 2)[2].replace("/tmp/te1", str(out))], check=True)
-    call8 = next(s for s in sections() if s[0].startswith("Call 8"))[2][0]
-    line = next(ln for ln in call8.splitlines() if "launch/megatron_compare.sh" in ln)
-    settings = dict(w.split("=", 1) for w in shlex.split(line.split("timeout")[0]))
-    env = {**os.environ, **settings, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "DRY_RUN": "1",
-           "NGPUS": "1"}
-    proc = subprocess.run(["bash", "launch/megatron_compare.sh", str(out), "30"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    for arm in ("coat_tp1", "te_memstack_tp1"):
-        assert f"== {arm}_mb4: kept (RESUME=1)" in proc.stdout and f"== {arm}_mb48: kept (RESUME=1)" in proc.stdout
-        assert f"predicted from {arm}_mb4.log {arm}_mb48.log" in proc.stdout
