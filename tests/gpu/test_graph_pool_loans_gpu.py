@@ -1,8 +1,9 @@
 """Lending the CUDA-graph pool's memory between a backward and the next forward (coat_kernels.act.graph_pool_loans,
 coat_ds.graph_pool_step): a lent tensor takes free pool memory instead of growing the reserved memory; the graphs
 replay afterwards with the bits they give without a loan; a lent tensor that outlives its block makes the layers
-capture anew and is left untouched; nothing is lent while a backward is pending; and a ZeRO-2 engine with per-layer
-graphs steps with its gradient partitions in the pool, with the bits of the same engine without the loans.
+capture anew and is left untouched; nothing is lent while a backward is pending; a ZeRO-2 engine with per-layer
+graphs steps with its gradient partitions in the pool, with the bits of the same engine without the loans, with and
+without ZeRO-2's contiguous gradient buffers; and without them it trains as with them.
 
     python3 -m pytest -q tests/gpu/test_graph_pool_loans_gpu.py
 """
@@ -113,11 +114,12 @@ def test_nothing_is_lent_while_a_backward_is_pending():
     loss.backward()
 
 
-def ds_engine(tmp_path, model, lending=True):
+def ds_engine(tmp_path, model, lending=True, contiguous_gradients=True):
     import deepspeed
 
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "bf16": {"enabled": True},
-              "zero_optimization": {"stage": 2}, "steps_per_print": 10 ** 6,
+              "zero_optimization": {"stage": 2, "contiguous_gradients": contiguous_gradients},
+              "steps_per_print": 10 ** 6,
               "optimizer": {"type": "CoatFP8AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
               "coat": {"fp8_activations": True, "cuda_graphs": True}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -134,10 +136,13 @@ def single_rank(monkeypatch):
         monkeypatch.setenv(key, value)
 
 
-def test_zero2_steps_borrow_the_graph_pool_with_the_same_bits(tmp_path, single_rank):
+@pytest.mark.parametrize("contiguous_gradients", [True, False], ids=["contiguous", "gradients_in_grad"])
+def test_zero2_steps_borrow_the_graph_pool_with_the_same_bits(tmp_path, single_rank, contiguous_gradients):
+    """With ZeRO-2's contiguous gradient buffers (DeepSpeed's default) and without them (the gradients stay in `.grad`
+    until the step: less memory beside the pool during the backward)."""
     pytest.importorskip("deepspeed")
     base = llama()
-    engines = [ds_engine(tmp_path, copy.deepcopy(base), lending) for lending in (False, True)]
+    engines = [ds_engine(tmp_path, copy.deepcopy(base), lending, contiguous_gradients) for lending in (False, True)]
     data = batches(5, seed=3)
     results = []
     for engine in engines:
@@ -160,3 +165,28 @@ def test_zero2_steps_borrow_the_graph_pool_with_the_same_bits(tmp_path, single_r
     # anew into one segment at step 2): from then on the steps' copies come from the pool
     assert max(growth[2:]) < partition / 2, (growth, partition)
     print(json.dumps({"growth_without_loans": plain_growth, "growth_with_loans": growth, "partition": partition}))
+
+
+def test_zero2_without_contiguous_gradients_trains_like_with_them(tmp_path, single_rank):
+    """ZeRO-2 with the gradients left in `.grad` until the step trains the graphed model as with DeepSpeed's
+    contiguous gradient buffers (one rank): the same first loss, and the same values after four steps up to the last
+    bits (the two paths may sum the gradient norm for clipping in another order or dtype)."""
+    pytest.importorskip("deepspeed")
+    base = llama()
+    data = batches(4, seed=5)
+    results = []
+    for contiguous in (True, False):
+        engine = ds_engine(tmp_path, copy.deepcopy(base), True, contiguous)
+        losses = []
+        for ids in data:
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        results.append((losses, [p.detach().float().clone() for p in engine.module.parameters()]))
+    (losses, params), (other_losses, other_params) = results
+    assert losses[0] == other_losses[0]
+    assert losses == pytest.approx(other_losses, rel=1e-3)
+    for start, a, b in zip(base.parameters(), params, other_params):
+        moved = (a - start.detach().float()).abs().max().item()  # how far training moved the tensor
+        assert moved > 0 and (a - b).abs().max().item() <= 0.1 * moved, (moved, (a - b).abs().max().item())
