@@ -11,12 +11,14 @@ Arms (each is `launch/train_ds.py` with a ds_config and, for the peers, one flag
   coat_graphs   coat + "cuda_graphs": true (per-layer CUDA graphs) configs/ds_zero2_coat_graphs.json
   coat_remainders  coat + bf16 masters with 16-bit remainders     configs/ds_zero2_coat_remainders.json
   coat_graphs_remainders  coat_graphs with bf16 masters + remainders  configs/ds_zero2_coat_graphs_remainders.json
+  coat_graphs_in_grad  coat_graphs without ZeRO-2's contiguous gradient buffers (gradients in .grad until the step)
+                + --zero contiguous_gradients=false
   torchao       torchao float8 tensorwise + compile + AdamW       configs/ds_zero2_adamw_bf16.json + --torchao-float8
   bf16_ckpt, coat_ckpt      bf16 / coat with Hugging Face gradient checkpointing (--grad-checkpointing)
   bf16_offload  ZeRO-Offload: AdamW on the CPU (DeepSpeedCPUAdam)  configs/ds_zero2_adamw_offload.json
   coat_offload  ZeRO-Offload: CoatFP8AdamW's C++ step on the CPU   configs/ds_zero2_coat_offload.json
                 (both offload arms keep BF16 activations: they compare the optimizers alone)
-The default --arms are the ones above the checkpointing and offload lines.
+The default --arms are the ones above coat_graphs_in_grad.
 
     python benchmarks/hf_deepspeed_compare.py [--model tinyllama-1b] [--micro-batch 8 | --micro-batches 1,2,4,8]
         [--steps 30] [--curve-steps 200] [--curve-arms bf16,coat] [--arms ARM[:MB],...] [--max-batch] [--out DIR]
@@ -76,6 +78,7 @@ ARMS = {
 }
 DEFAULT_ARMS = list(ARMS)
 ARMS.update({
+    "coat_graphs_in_grad": ("configs/ds_zero2_coat_graphs.json", ["--zero", "contiguous_gradients=false"]),
     "bf16_ckpt": ("configs/ds_zero2_adamw_bf16.json", ["--grad-checkpointing"]),
     "coat_ckpt": ("configs/ds_zero2_coat_full.json", ["--grad-checkpointing"]),
     "bf16_offload": ("configs/ds_zero2_adamw_offload.json", []),

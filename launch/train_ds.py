@@ -80,6 +80,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (overrides the config's)")
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None,
                    help="ZeRO stage (overrides the config's zero_optimization.stage)")
+    p.add_argument("--zero", action="append", default=[], metavar="KEY=VALUE", type=zero_option,
+                   help="set zero_optimization.KEY to VALUE (JSON: true, 5e7, ...) over the config's; repeatable, "
+                        'e.g. --zero contiguous_gradients=false (the stage: --zero-stage)')
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--data", choices=("bigram", "corpus"), default="bigram",
                    help="synthetic bigram sequences, or the standard library corpus (real text)")
@@ -126,6 +129,20 @@ def parse_args(argv=None):
     return args
 
 
+def zero_option(text: str) -> tuple:
+    """KEY=VALUE of --zero, VALUE parsed as JSON."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    if key == "stage":
+        raise argparse.ArgumentTypeError("the ZeRO stage is set with --zero-stage")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"the value of {key} is not JSON (true, false, a number, ...): "
+                                         f"{value!r}") from None
+
+
 def check_checkpoint_args(parser, args):
     """Checkpoint flags that cannot work together fail here, before anything is built."""
     if args.save_at is not None and args.save_dir is None:
@@ -149,6 +166,8 @@ def load_config(args, world: int) -> dict:
                   gradient_accumulation_steps=1)
     if args.zero_stage is not None:
         config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
+    if args.zero:
+        config.setdefault("zero_optimization", {}).update(args.zero)
     if args.universal:
         config.setdefault("checkpoint", {})["load_universal"] = True
     if args.lr is not None:

@@ -37,7 +37,9 @@ What keeps replays right:
 - Inputs are copied into the graph's input buffer (padded rows zeroed), unless they are the previous layer's output
   buffer, which is then the input buffer itself: consecutive graphed layers pass activations without a copy.
 - Capture runs `warmup` eager forward + backward passes first (on a side stream, `torch.autograd.grad`, so nothing
-  is accumulated into `.grad`), then captures the forward and the backward on one capture stream. During capture the
+  is accumulated into `.grad`; after emptying the allocator's cache, so the side stream's allocations reuse what
+  other streams held cached instead of adding to it), then captures the forward and the backward on one capture
+  stream. During capture the
   module's parameters are replaced by aliases (same storage), so the captured autograd graph holds no node of the
   real parameters: their gradient accumulation (and any hook an engine put on it) runs on the stream of the eager
   backward. The gradients handed to autograd are views of graph buffers, so autograd copies them into `.grad`.
@@ -388,6 +390,10 @@ class GraphedLayer:
                                   enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
         handle = self.pool.handle
         with _parameters_replaced(self.module, self.names, aliases), autocast:
+            # the warm-up runs on a stream of its own, which cannot take the blocks other streams hold cached: give
+            # those back first (torch.cuda.graph does the same before the capture), or a new bucket's first capture
+            # would add the warm-up's memory on top of everything cached
+            torch.cuda.empty_cache()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):

@@ -126,3 +126,24 @@ def test_corpus_data_is_a_function_of_seed_and_sample_index(train_ds, monkeypatc
     assert not torch.equal(CorpusData(32000, 16, seed=4).sequences(10, 4), batch)
     with pytest.raises(SystemExit, match="vocabulary of 8192 tokens, more than the model's 512"):
         CorpusData(512, 16, seed=3)
+
+
+def test_zero_options_override_the_configs(train_ds, tmp_path):
+    config = tmp_path / "c.json"
+    config.write_text('{"optimizer": {"type": "CoatFP8AdamW", "params": {}}, "zero_optimization": {"stage": 2}}')
+    args = train_ds.parse_args(["--ds-config", str(config), "--zero", "contiguous_gradients=false",
+                                "--zero", "reduce_bucket_size=5e7"])
+    zero = train_ds.load_config(args, world=1)["zero_optimization"]
+    assert zero == {"stage": 2, "contiguous_gradients": False, "reduce_bucket_size": 5e7}
+
+
+@pytest.mark.parametrize("option, message", [
+    ("contiguous_gradients", "is not KEY=VALUE"),
+    ("=1", "is not KEY=VALUE"),
+    ("stage=3", "the ZeRO stage is set with --zero-stage"),
+    ("contiguous_gradients=no", "the value of contiguous_gradients is not JSON"),
+])
+def test_bad_zero_options_fail_at_parsing(train_ds, capsys, option, message):
+    with pytest.raises(SystemExit):
+        train_ds.parse_args(["--ds-config", "c.json", "--zero", option])
+    assert message in capsys.readouterr().err

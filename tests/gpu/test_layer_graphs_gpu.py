@@ -159,6 +159,21 @@ def test_all_buckets_share_one_pool_of_about_the_largest():
     assert pool_bytes(graphed) <= 1.3 * largest, (pool_bytes(graphed), largest)
 
 
+def test_a_new_buckets_capture_reuses_the_memory_other_streams_held_cached():
+    """A new bucket's first capture while a large free block sits in the main stream's cache takes no memory beyond
+    what was reserved before it: the warm-up's stream gets the cached memory back instead of new memory on top."""
+    _, graphed = model_pair(layers=2, cuda_graph_pad_multiple=32)
+    train(graphed, 1, lengths=[256], lr=0.0)
+    block = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
+    del block  # 1 GiB free in the main stream's cache
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    train(graphed, 1, lengths=[224], lr=0.0)  # a new bucket: warm-up and capture
+    assert len(graphed.model.layers[0].coat.graphs.captures) == 2
+    assert torch.cuda.max_memory_reserved() <= before, (torch.cuda.max_memory_reserved(), before)
+
+
 def test_gradient_accumulation_over_micro_batches():
     """Accumulating three micro-batches (two lengths) without zeroing sums all three (no .grad is a buffer the next
     replay overwrites)."""
