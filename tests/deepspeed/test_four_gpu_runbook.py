@@ -3,7 +3,6 @@ and Gemma 3 shapes (parameter counts from the published shapes' formulas, their 
 layer convertible by its coat_hf family), benchmarks/hf_deepspeed_compare.py's largest-micro-batch search and time
 bounds (against a simulated GPU memory), and the runbook's commands themselves (each parses, fits the device's
 limits of one command)."""
-import importlib.util
 import os
 import re
 import shlex
@@ -15,26 +14,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_modules import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 RUNBOOK = REPO / "benchmarks" / "four_gpu_runbook.md"
 
 
-def load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def train_ds():
-    return load(REPO / "launch" / "train_ds.py", "train_ds_for_runbook")
+    return load_script(REPO / "launch" / "train_ds.py", "train_ds_for_runbook")
 
 
 @pytest.fixture(scope="module")
 def compare():
-    return load(REPO / "benchmarks" / "hf_deepspeed_compare.py", "hf_deepspeed_compare_for_runbook")
+    return load_script(REPO / "benchmarks" / "hf_deepspeed_compare.py", "hf_deepspeed_compare_for_runbook")
 
 
 def llama_params(vocab, h, ffn, layers):

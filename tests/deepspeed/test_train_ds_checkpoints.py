@@ -2,7 +2,6 @@
 torchrun, CoatFP8AdamW + FP8 activations (configs/ds_zero2_coat_full.json), ZeRO-2, a 6-step run saved after step 3
 and resumed on 2 and on 1 rank (tests/jobs/train_ds_runs.py runs the flow; the 2-GPU test runs it for ZeRO-2 and
 ZeRO-3); and its --data corpus windows."""
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +9,7 @@ import pytest
 import torch
 
 import train_ds_runs as runs
+from script_modules import load_script
 from launch.token_data import CorpusData
 
 # The same training on 1 and on 2 ranks differs: FP8 activations take per-tensor scales over each rank's micro-batch
@@ -47,10 +47,7 @@ def test_resume_across_data_parallel_sizes(tmp_path):
 
 @pytest.fixture(scope="module")
 def train_ds():
-    spec = importlib.util.spec_from_file_location("train_ds", runs.TRAIN_DS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(runs.TRAIN_DS, "train_ds")
 
 
 @pytest.mark.parametrize("argv, message", [

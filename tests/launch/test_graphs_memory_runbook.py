@@ -3,12 +3,12 @@ install, fits one device command (2,000 characters), leaves one archive under $O
 (its `timeout`s add up to at most 510 s); every train_ds run (through ds_phase_memory, for each value of its loop) and
 every hf_deepspeed_compare run parses with its script's own parser, with configs, arms and GPU test files that
 exist."""
-import importlib.util
 import re
 import shlex
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 RUNBOOK = REPO / "benchmarks" / "graphs_memory_runbook.md"
@@ -17,17 +17,10 @@ PROLOGUE = ("export TORCH_CUDA_ARCH_LIST=9.0; python3 -m pip install -q --no-ind
             "install -q --no-deps --no-build-isolation --no-index .")
 
 
-def load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def scripts():
-    return (load(REPO / "launch" / "train_ds.py", "train_ds_for_graphs_runbook"),
-            load(REPO / "benchmarks" / "hf_deepspeed_compare.py", "compare_for_graphs_runbook"))
+    return (load_script(REPO / "launch" / "train_ds.py", "train_ds_for_graphs_runbook"),
+            load_script(REPO / "benchmarks" / "hf_deepspeed_compare.py", "compare_for_graphs_runbook"))
 
 
 def blocks():
