@@ -11,9 +11,9 @@ Arms (each is `launch/train_ds.py` with a ds_config and, for the peers, one flag
   coat_graphs   coat + "cuda_graphs": true (per-layer CUDA graphs) configs/ds_zero2_coat_graphs.json
   coat_remainders  coat + bf16 masters with 16-bit remainders     configs/ds_zero2_coat_remainders.json
   coat_graphs_remainders  coat_graphs with bf16 masters + remainders  configs/ds_zero2_coat_graphs_remainders.json
+  torchao       torchao float8 tensorwise + compile + AdamW       configs/ds_zero2_adamw_bf16.json + --torchao-float8
   coat_graphs_in_grad  coat_graphs without ZeRO-2's contiguous gradient buffers (gradients in .grad until the step)
                 + --zero contiguous_gradients=false
-  torchao       torchao float8 tensorwise + compile + AdamW       configs/ds_zero2_adamw_bf16.json + --torchao-float8
   bf16_ckpt, coat_ckpt      bf16 / coat with Hugging Face gradient checkpointing (--grad-checkpointing)
   bf16_offload  ZeRO-Offload: AdamW on the CPU (DeepSpeedCPUAdam)  configs/ds_zero2_adamw_offload.json
   coat_offload  ZeRO-Offload: CoatFP8AdamW's C++ step on the CPU   configs/ds_zero2_coat_offload.json

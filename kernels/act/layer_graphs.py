@@ -39,10 +39,10 @@ What keeps replays right:
 - Capture runs `warmup` eager forward + backward passes first (on a side stream, `torch.autograd.grad`, so nothing
   is accumulated into `.grad`; after emptying the allocator's cache, so the side stream's allocations reuse what
   other streams held cached instead of adding to it), then captures the forward and the backward on one capture
-  stream. During capture the
-  module's parameters are replaced by aliases (same storage), so the captured autograd graph holds no node of the
-  real parameters: their gradient accumulation (and any hook an engine put on it) runs on the stream of the eager
-  backward. The gradients handed to autograd are views of graph buffers, so autograd copies them into `.grad`.
+  stream. During capture the module's parameters are replaced by aliases (same storage), so the captured autograd
+  graph holds no node of the real parameters: their gradient accumulation (and any hook an engine put on it) runs on
+  the stream of the eager backward. The gradients handed to autograd are views of graph buffers, so autograd copies
+  them into `.grad`.
 - A layer whose parameters moved to new storage (an engine re-allocating them) can no longer replay: its calls run
   eagerly and, once no replay is pending, the pool drops every generation and captures anew. A layer that ran
   eagerly in its generation's first pass (and so has no graphs there) makes the generation capture anew, in order,
