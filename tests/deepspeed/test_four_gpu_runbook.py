@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from runbook_calls import PROLOGUE, bash_blocks
 from script_modules import load_script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -228,7 +229,7 @@ def test_sigterm_to_the_compare_ends_the_run_in_flight(tmp_path):
 
 
 def runbook_blocks():
-    return re.findall(r"```bash\n(.*?)```", RUNBOOK.read_text(), re.S)
+    return bash_blocks(RUNBOOK.read_text())
 
 
 def test_runbook_commands_parse_and_fit_one_device_call(compare, train_ds):
@@ -238,12 +239,9 @@ def test_runbook_commands_parse_and_fit_one_device_call(compare, train_ds):
     value its ARMS variable takes, parses and names a model of MODELS and arms that exist."""
     blocks = runbook_blocks()
     assert len(blocks) == 3
-    prologue = ("export TORCH_CUDA_ARCH_LIST=9.0; python3 -m pip install -q --no-index --no-deps --no-compile "
-                "--no-cache-dir --upgrade --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site; python -m pip "
-                "install -q --no-deps --no-build-isolation --no-index .")
     invocations = 0
     for block in blocks:
-        assert block.startswith(prologue + "\n") and len(block) <= 2000, block[:200]
+        assert block.startswith(PROLOGUE + "\n") and len(block) <= 2000, block[:200]
         assert len(re.findall(r"tar czf \$OUT/\S+\.tgz", block)) == 1, block
         serial = [float(t) for t in re.findall(r"timeout -k \d+ (\d+)", block)]
         parallel = []

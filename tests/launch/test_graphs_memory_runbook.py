@@ -8,13 +8,11 @@ import shlex
 from pathlib import Path
 
 import pytest
+from runbook_calls import PROLOGUE, bash_blocks
 from script_modules import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 RUNBOOK = REPO / "benchmarks" / "graphs_memory_runbook.md"
-PROLOGUE = ("export TORCH_CUDA_ARCH_LIST=9.0; python3 -m pip install -q --no-index --no-deps --no-compile "
-            "--no-cache-dir --upgrade --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site; python -m pip "
-            "install -q --no-deps --no-build-isolation --no-index .")
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +22,7 @@ def scripts():
 
 
 def blocks():
-    return re.findall(r"```bash\n(.*?)```", RUNBOOK.read_text(), re.S)
+    return bash_blocks(RUNBOOK.read_text())
 
 
 def test_each_call_fits_one_device_command():

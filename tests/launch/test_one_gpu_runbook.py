@@ -9,16 +9,14 @@ from pathlib import Path
 
 from launch import ds_optimizer_recipes, optimizer_parity
 from launch.model_shapes import MODELS
+from runbook_calls import PROLOGUE, bash_blocks
 
 REPO = Path(__file__).resolve().parents[2]
 RUNBOOK = REPO / "benchmarks" / "one_gpu_runbook.md"
-PROLOGUE = ("export TORCH_CUDA_ARCH_LIST=9.0; python3 -m pip install -q --no-index --no-deps --no-compile "
-            "--no-cache-dir --upgrade --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site; python -m pip "
-            "install -q --no-deps --no-build-isolation --no-index .")
 
 
 def blocks():
-    return re.findall(r"```bash\n(.*?)```", RUNBOOK.read_text(), re.S)
+    return bash_blocks(RUNBOOK.read_text())
 
 
 def script_words(line, marker):

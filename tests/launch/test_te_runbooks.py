@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from runbook_calls import PROLOGUE, bash_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 ONE_GPU = ROOT / "benchmarks" / "te_one_gpu_runbook.md"
@@ -22,9 +23,6 @@ ARMS = {ONE_GPU: ({"te_fp8_blockwise_tp1", "te_memstack_tp1", "coat_tp1", "coat_
         FOUR_GPUS: ({"coat_tp2_dp2", "te_fp8_blockwise_tp2_dp2", "te_memstack_tp2_dp2", "te_bf16_tp2_dp2",
                      "coat_dp4", "te_fp8_blockwise_dp4", "te_memstack_dp4", "coat_tp1"}, 4)}
 RUNBOOKS = pytest.mark.parametrize("runbook", [ONE_GPU, FOUR_GPUS], ids=["one_gpu", "four_gpus"])
-PROLOGUE = ("export TORCH_CUDA_ARCH_LIST=9.0; python3 -m pip install -q --no-index --no-deps --no-compile "
-            "--no-cache-dir --upgrade --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site; python -m pip "
-            "install -q --no-deps --no-build-isolation --no-index .")
 
 
 def sections(runbook=ONE_GPU):
@@ -33,7 +31,7 @@ def sections(runbook=ONE_GPU):
     for part in runbook.read_text().split("\n## ")[1:]:
         heading = part.splitlines()[0]
         carries = re.findall(r"[Cc]arry `(\[[^`]*\])`", part)
-        out.append((heading, carries, re.findall(r"```bash\n(.*?)```", part, re.S)))
+        out.append((heading, carries, bash_blocks(part)))
     return out
 
 
