@@ -15,11 +15,13 @@ that memory:
 replays), then `PoolLoan.empty` / `PoolLoan.flatten` allocate from the pool's free blocks: on the pool's capture stream,
 since the caching allocator keeps a pool's blocks per stream; the tensors are then used on the caller's stream, which
 they are recorded on. A pool as the captures leave it is many segments (the allocator gives each large allocation
-its own), so a large loan finds no free block big enough and takes new memory: the pool then drops its graphs and,
-at the next step, captures them anew into one segment of max(its size, the loans' size) reserved up front
-(GraphPool.reserve_bytes), where every later loan fits. A lent tensor still referenced when the block ends would be
-overwritten by the next replay: the pool then drops its graphs and captures anew at the next step (the tensor keeps
-the old memory), with one warning.
+its own), where a large loan finds no free block big enough. So the first loan (the pool has no reserved size yet)
+drops the pool instead: its memory goes back to the device, the loan's tensors come from ordinary memory, and the
+layers capture anew at the next forward into one segment of max(the pool's size, the loan's size) reserved up front
+(GraphPool.reserve_bytes), where every later loan fits. The step that sizes the pool thus needs no memory beyond the
+pool's. A later loan larger than that segment takes new memory and has the pool grow the same way at the next
+step. A lent tensor still referenced when the block ends would be overwritten by the next replay: the pool then
+drops its graphs and captures anew at the next step (the tensor keeps the old memory), with one warning.
 """
 from __future__ import annotations
 
@@ -34,14 +36,20 @@ from .layer_graphs import GraphPool
 class PoolLoan:
     """Tensors allocated from a graph pool's free memory for the duration of one `lend` block."""
 
-    def __init__(self, pool: GraphPool):
+    def __init__(self, pool: GraphPool, sizing: bool = False):
         self.pool = pool
+        self.sizing = sizing  # the pool was dropped to be sized: lend ordinary memory and count it
         self.lent: list = []  # weak references to every tensor lent
         self.bytes = 0  # lent so far
         self.outside = 0  # bytes of new segments the loans needed: what the pool could not lend in one piece
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """An uninitialised 1-D tensor in the pool's memory, usable on the current stream."""
+        """An uninitialised 1-D tensor in the pool's memory (ordinary memory while sizing), usable on the current
+        stream."""
+        if self.sizing:
+            t = torch.empty(numel, dtype=dtype, device=device)
+            self.bytes += t.untyped_storage().nbytes()
+            return t
         user = torch.cuda.current_stream(device)
         stream = self.pool.capture_stream
         stream.wait_stream(user)
@@ -77,6 +85,15 @@ def lend(pool: GraphPool):
     if not pool.generations or pool.in_flight():
         yield None
         return
+    if not pool.reserve_bytes:
+        size = pool.segment_bytes()
+        pool.reset()
+        loan = PoolLoan(pool, sizing=True)
+        try:
+            yield loan
+        finally:
+            pool.reserve_bytes = max(size, loan.bytes)
+        return
     pool.close_all()
     loan = PoolLoan(pool)
     try:
@@ -87,7 +104,7 @@ def lend(pool: GraphPool):
             pool.warn_once("loan", f"coat-fp8: {loan.outstanding()} tensor(s) lent from the CUDA-graph pool outlived "
                            "the work they were lent to; the layers capture their graphs anew at the next step")
         elif loan.outside:
-            # the pool's memory is in pieces (one segment per large capture allocation): capture anew into one
-            # segment as large as the pool or the loans, whichever is larger
+            # the loans outgrew the pool's reserved segment: capture anew into one segment as large as the pool or
+            # the loans, whichever is larger
             pool.reserve_bytes = max(pool.segment_bytes() - loan.outside, loan.bytes, pool.reserve_bytes)
             pool.reset_requested = True

@@ -39,10 +39,11 @@ What keeps replays right:
 - Capture runs `warmup` eager forward + backward passes first (on a side stream, `torch.autograd.grad`, so nothing
   is accumulated into `.grad`; after emptying the allocator's cache, so the side stream's allocations reuse what
   other streams held cached instead of adding to it), then captures the forward and the backward on one capture
-  stream. During capture the module's parameters are replaced by aliases (same storage), so the captured autograd
-  graph holds no node of the real parameters: their gradient accumulation (and any hook an engine put on it) runs on
-  the stream of the eager backward. The gradients handed to autograd are views of graph buffers, so autograd copies
-  them into `.grad`.
+  stream, with Python's garbage collector paused (a collection could free another model's graphs mid-capture).
+  During capture the module's parameters are replaced by aliases (same storage), so the captured autograd graph
+  holds no node of the real parameters: their gradient accumulation (and any hook an engine put on it) runs on the
+  stream of the eager backward. The gradients handed to autograd are views of graph buffers, so autograd copies them
+  into `.grad`.
 - A layer whose parameters moved to new storage (an engine re-allocating them) can no longer replay: its calls run
   eagerly and, once no replay is pending, the pool drops every generation and captures anew. A layer that ran
   eagerly in its generation's first pass (and so has no graphs there) makes the generation capture anew, in order,
@@ -156,15 +157,30 @@ class GraphPool:
 
     def reset(self) -> None:
         """Drop every generation (their graphs and pool) and capture anew; only when none is in flight."""
+        self.release_graphs()
         self.generations.clear()
         self.handed_out.clear()
         self.reset_requested = False
         if self._memory is not None:
             # the dropped pool's segments go back to the device before a new pool reserves its own: first the
-            # generations' tensors and graphs (they and their captures refer to each other), then the pool
+            # generations' tensors (they and their captures refer to each other), then the pool
             gc.collect()
             self._memory = None
             torch.cuda.empty_cache()
+
+    def release_graphs(self) -> None:
+        """Let go of every capture's graphs now. A MemPool must outlive the graphs captured into it (torch aborts
+        the process otherwise), and a capture may still be referenced from elsewhere (a kept loss, an exception's
+        traceback) when its pool is dropped."""
+        for gen in self.generations.values():
+            for capture in gen.captures.values():
+                capture.forward.reset()
+                capture.backward.reset()
+
+    def __del__(self):
+        # a model dropped with its graphs is collected as one cycle, in no set order: the graphs go first
+        if self.generations:
+            self.release_graphs()
 
     def segment_bytes(self) -> int:
         """Bytes of the pool's segments (0 before the first capture)."""
@@ -388,12 +404,12 @@ class GraphedLayer:
         # graph as it was then, and a cast made in the capture would live in the graph's memory
         autocast = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
                                   enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
+        # the warm-up runs on a stream of its own, and a new pool reserves its first segment: neither can take the
+        # blocks other streams hold cached, so give those back first (torch.cuda.graph does the same before the
+        # capture), or a new bucket's first capture would add the warm-up's memory and the reserve on top of them
+        torch.cuda.empty_cache()
         handle = self.pool.handle
         with _parameters_replaced(self.module, self.names, aliases), autocast:
-            # the warm-up runs on a stream of its own, which cannot take the blocks other streams hold cached: give
-            # those back first (torch.cuda.graph does the same before the capture), or a new bucket's first capture
-            # would add the warm-up's memory on top of everything cached
-            torch.cuda.empty_cache()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -405,7 +421,7 @@ class GraphedLayer:
                     del out, leaf
             torch.cuda.current_stream().wait_stream(side)
             forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(forward, pool=handle, stream=self.pool.capture_stream):
+            with _collection_paused(), torch.cuda.graph(forward, pool=handle, stream=self.pool.capture_stream):
                 # buffers made here (no kernel runs) come from the pool; they are filled before each replay
                 if gen.shared is None:
                     owners = [torch.empty_like(t) if t is not None else None for t in shared_warm]
@@ -420,7 +436,7 @@ class GraphedLayer:
                     gen.hold(("input", len(gen.order)), owner)
                     x_static = unowned(owner).requires_grad_(x.requires_grad)
                 output = self.fn(x_static, *gen.shared)
-            with torch.cuda.graph(backward, pool=handle, stream=self.pool.capture_stream):
+            with _collection_paused(), torch.cuda.graph(backward, pool=handle, stream=self.pool.capture_stream):
                 grad_output = torch.empty_like(output)
                 surface = ([x_static] if x_static.requires_grad else []) + aliases
                 grads = torch.autograd.grad(output, surface, grad_output, allow_unused=True, retain_graph=True)
@@ -446,6 +462,20 @@ class GraphedLayer:
         gen.captures[self] = capture
         gen.order.append(capture)
         return capture
+
+
+@contextmanager
+def _collection_paused():
+    """Python's cyclic garbage collector off for the block (torch.cuda.graph still collects once as it begins). A
+    collection during a capture may destroy another model's graphs or memory pool, CUDA calls that a capturing stream
+    forbids: the process aborts."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _pad_rows(x: torch.Tensor, length: int) -> torch.Tensor:

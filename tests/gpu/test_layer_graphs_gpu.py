@@ -2,9 +2,11 @@
 gives the eager layer's bits; training steps replay the graphs and give the eager model's losses and gradients, at a
 fixed length and at lengths that vary per step (padded inside the layer to a bucket), with and without a padding
 mask; all buckets share one memory pool the size of about one; two forwards before a backward, a forward in another
-bucket while one is in flight, a held output, moved parameters, saved-tensor hooks, checkpointing, evaluation and
-buckets beyond cuda_graph_shapes fall back or recapture as documented."""
+bucket while one is in flight, a held output, moved parameters (also with a capture still referenced), a dropped
+model, saved-tensor hooks, checkpointing, evaluation and buckets beyond cuda_graph_shapes fall back, recapture or
+give their memory back as documented."""
 import copy
+import gc
 
 import pytest
 import torch
@@ -256,6 +258,58 @@ def test_moved_parameters_recapture_and_checkpointing_and_eval_run_eagerly():
         train(graphed, 2)
     assert replays(graphed) == before
 
+
+
+def test_a_pool_dropped_while_a_capture_is_referenced_elsewhere_releases_its_graphs():
+    """Moved parameters make the pool drop its generations while a capture is still referenced from outside (as an
+    exception's traceback or a kept variable would keep it): its graphs are let go with the pool (torch aborts the
+    process when a memory pool goes before a graph captured into it), and training goes on with new graphs."""
+    eager, graphed = model_pair()
+    train(eager, 1)
+    train(graphed, 1)
+    (kept,) = graphed.model.layers[0].coat.graphs.captures.values()
+    for model in (eager, graphed):
+        with torch.no_grad():
+            for p in model.model.layers[0].parameters():
+                p.data = p.data.clone()  # new storage
+    assert_close(train(graphed, 2, seed=4), train(eager, 2, seed=4))
+    (fresh,) = graphed.model.layers[0].coat.graphs.captures.values()
+    assert fresh is not kept and fresh.replays == 1
+    with pytest.raises(RuntimeError):
+        kept.forward.replay()
+
+
+def test_a_dropped_graphed_model_gives_its_pool_back():
+    _, graphed = model_pair()
+    train(graphed, 2)
+    handle = tuple(graphed.coat_runtime.graph_pool.handle)
+    assert pool_bytes(graphed) > 0
+    del graphed
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert not [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == handle]
+
+
+def test_no_garbage_collection_runs_while_a_layer_captures():
+    """A collection during a capture may free another model's graphs or pool, which a capturing stream forbids (the
+    process aborts): with the collector set to run at every allocation, none runs while a stream captures."""
+    _, graphed = model_pair()
+    during_capture = []
+
+    def record(phase, info):
+        if phase == "start":
+            during_capture.append(torch.cuda.is_current_stream_capturing())
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    gc.callbacks.append(record)
+    try:
+        train(graphed, 1)
+    finally:
+        gc.callbacks.remove(record)
+        gc.set_threshold(*threshold)
+    assert len(graphed.model.layers[0].coat.graphs.captures) == 1
+    assert during_capture and not any(during_capture), during_capture.count(True)
 
 def test_buckets_beyond_the_limit_run_eagerly_with_the_eager_results():
     eager, graphed = model_pair(cuda_graph_shapes=2, cuda_graph_pad_multiple=64)

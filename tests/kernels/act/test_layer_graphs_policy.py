@@ -1,9 +1,9 @@
 """What GraphedLayer decides before any CUDA graph exists, checked on CPU with the capture itself replaced: at most
 `max_generations` buckets get graphs (others run eagerly, with one warning per model); a new bucket takes the memory
 of the others; only one bucket is in flight, and a layer whose previous call's backward is pending runs eagerly;
-moved parameters make the pool capture anew once nothing is in flight, as does a layer missing from a generation; the
-options come from ActivationConfig / the ds_config section. The graphs themselves are checked on the GPU
-(tests/gpu/test_layer_graphs_gpu.py)."""
+moved parameters make the pool capture anew once nothing is in flight (letting go of the old graphs), as does a layer
+missing from a generation; the options come from ActivationConfig / the ds_config section. The graphs themselves are
+checked on the GPU (tests/gpu/test_layer_graphs_gpu.py)."""
 import warnings
 from types import SimpleNamespace
 
@@ -17,6 +17,16 @@ from coat_kernels.act.layer_graphs import GraphPool, GraphedLayer, SharedInputs,
 SHARED = SharedInputs(("none",), (), lambda sources, n, out=None: [] if out is None else out)
 
 
+class FakeGraph:
+    """Stands in for a CUDAGraph: records whether it was let go."""
+
+    def __init__(self):
+        self.released = False
+
+    def reset(self):
+        self.released = True
+
+
 def fake_captures(monkeypatch):
     """Replace the CUDA capture by a record of what would have been captured, holding a placeholder buffer."""
     made = []
@@ -27,7 +37,8 @@ def fake_captures(monkeypatch):
         index = len(gen.order)
         gen.hold(("output", index), torch.empty(1))
         c = SimpleNamespace(generation=gen, pending=None, holds_output=True, length=length, replays=0,
-                            param_ptrs=tuple(p.data_ptr() for p in self.params))
+                            param_ptrs=tuple(p.data_ptr() for p in self.params),
+                            forward=FakeGraph(), backward=FakeGraph())
         gen.captures[self] = c
         gen.order.append(c)
         return c
@@ -88,8 +99,11 @@ def test_moved_parameters_make_the_pool_capture_anew_once_nothing_is_in_flight(m
     token = _Token(call(first, 100, 128))
     assert call(second, 100, 128) is None and pool.reset_requested  # eager now; not while a replay is in flight
     token.finish()
+    assert not old.forward.released
     new = call(first, 100, 128)  # nothing in flight: every generation dropped, captured anew
     assert new is not None and not pool.reset_requested and len(made) == 3
+    # the dropped captures' graphs are let go even though `old` is still referenced here
+    assert old.forward.released and old.backward.released and not new.forward.released
     assert call(second, 100, 128) not in (None, old) and len(made) == 4
 
 
