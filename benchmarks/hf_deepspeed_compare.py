@@ -9,16 +9,17 @@ Arms (each is `launch/train_ds.py` with a ds_config and, for the peers, one flag
   coat_optim    "type": "CoatFP8AdamW" (optimizer half only)      configs/ds_zero2_coat.json
   coat          CoatFP8AdamW + "coat": {"fp8_activations": true}  configs/ds_zero2_coat_full.json
   coat_graphs   coat + "cuda_graphs": true (per-layer CUDA graphs) configs/ds_zero2_coat_graphs.json
+                (with "contiguous_gradients": false: gradients stay in .grad until the step)
   coat_remainders  coat + bf16 masters with 16-bit remainders     configs/ds_zero2_coat_remainders.json
   coat_graphs_remainders  coat_graphs with bf16 masters + remainders  configs/ds_zero2_coat_graphs_remainders.json
   torchao       torchao float8 tensorwise + compile + AdamW       configs/ds_zero2_adamw_bf16.json + --torchao-float8
-  coat_graphs_in_grad  coat_graphs without ZeRO-2's contiguous gradient buffers (gradients in .grad until the step)
-                + --zero contiguous_gradients=false
+  coat_graphs_contiguous  coat_graphs with ZeRO-2's contiguous gradient buffers (DeepSpeed's default)
+                + --zero contiguous_gradients=true
   bf16_ckpt, coat_ckpt      bf16 / coat with Hugging Face gradient checkpointing (--grad-checkpointing)
   bf16_offload  ZeRO-Offload: AdamW on the CPU (DeepSpeedCPUAdam)  configs/ds_zero2_adamw_offload.json
   coat_offload  ZeRO-Offload: CoatFP8AdamW's C++ step on the CPU   configs/ds_zero2_coat_offload.json
                 (both offload arms keep BF16 activations: they compare the optimizers alone)
-The default --arms are the ones above coat_graphs_in_grad.
+The default --arms are the ones above coat_graphs_contiguous.
 
     python benchmarks/hf_deepspeed_compare.py [--model tinyllama-1b] [--micro-batch 8 | --micro-batches 1,2,4,8]
         [--steps 30] [--curve-steps 200] [--curve-arms bf16,coat] [--arms ARM[:MB],...] [--max-batch] [--out DIR]
@@ -78,7 +79,7 @@ ARMS = {
 }
 DEFAULT_ARMS = list(ARMS)
 ARMS.update({
-    "coat_graphs_in_grad": ("configs/ds_zero2_coat_graphs.json", ["--zero", "contiguous_gradients=false"]),
+    "coat_graphs_contiguous": ("configs/ds_zero2_coat_graphs.json", ["--zero", "contiguous_gradients=true"]),
     "bf16_ckpt": ("configs/ds_zero2_adamw_bf16.json", ["--grad-checkpointing"]),
     "coat_ckpt": ("configs/ds_zero2_coat_full.json", ["--grad-checkpointing"]),
     "bf16_offload": ("configs/ds_zero2_adamw_offload.json", []),
