@@ -51,7 +51,8 @@ process group with it, is an error row; no run starts with less than --min-run-t
 DIR/results.md are rewritten after every run, so a call stopped from outside keeps what finished.
 Columns: tokens/s, its ratio to bf16 at the same micro-batch (bf16_ckpt for a *_ckpt arm), the median step, the host
 time until forward and backward are issued (close to the step time when the host is the bottleneck), peak memory and
-its breakdown.
+its breakdown. Below the table, the steps where a run's loss exceeds bf16's on the same batch by more than
+LOSS_OUTLIER (single-step outliers that a final or mean loss can hide).
 Writes DIR/results.json, DIR/results.md, DIR/loss.png (matplotlib) and one log + CSV per run.
 """
 from __future__ import annotations
@@ -332,6 +333,25 @@ def plot(rows, path, title="Hugging Face causal LM under DeepSpeed"):
     fig.savefig(path, dpi=120)
 
 
+LOSS_OUTLIER = 0.5  # a step's loss this far above BF16's on the same batch is listed in results.md
+
+
+def loss_outliers(rows, threshold=LOSS_OUTLIER):
+    """{(arm, micro-batch): [(step, loss - BF16's loss), ...]}: the steps where a run's loss exceeds that of the bf16
+    run at the same micro-batch (the same batches) by more than `threshold`; a *_ckpt arm is held against bf16_ckpt."""
+    curves = {(r["arm"], r["micro_batch"]): dict(r["curve"]) for r in rows if "error" not in r and r.get("curve")}
+    found = {}
+    for (arm, micro), curve in curves.items():
+        base = curves.get(("bf16_ckpt" if arm.endswith("_ckpt") else "bf16", micro))
+        if base is None or base is curve:
+            continue
+        steps = [(step, loss - base[step]) for step, loss in sorted(curve.items())
+                 if step in base and loss - base[step] > threshold]
+        if steps:
+            found[(arm, micro)] = steps
+    return found
+
+
 def write_results(rows, args):
     """DIR/results.md (the table, the best tokens/s per arm, the largest micro-batch per arm) and results.json."""
     base = {(r["arm"], r["micro_batch"]): r["tokens_per_s"] for r in rows
@@ -353,6 +373,11 @@ def write_results(rows, args):
     if predicted:
         md += "\n\nLargest micro-batch predicted from the first run, per arm: " + ", ".join(
             f"{a} {m}" for a, m in predicted.items())
+    outliers = loss_outliers(rows)
+    if outliers:
+        md += (f"\n\nSteps whose loss exceeds BF16's on the same batch by more than {LOSS_OUTLIER}: " + "; ".join(
+            f"{arm} mb {micro}: " + ", ".join(f"step {step} (+{gap:.2f})" for step, gap in steps)
+            for (arm, micro), steps in outliers.items()))
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(md + "\n")
     with open(os.path.join(args.out, "results.json"), "w") as f:
