@@ -2,8 +2,9 @@
 `max_generations` buckets get graphs (others run eagerly, with one warning per model); a new bucket takes the memory
 of the others; only one bucket is in flight, and a layer whose previous call's backward is pending runs eagerly;
 moved parameters make the pool capture anew once nothing is in flight (letting go of the old graphs), as does a layer
-missing from a generation; the options come from ActivationConfig / the ds_config section. The graphs themselves are
-checked on the GPU (tests/gpu/test_layer_graphs_gpu.py)."""
+missing from a generation; the first loan of the pool's memory drops the pool and sizes it; the options come from
+ActivationConfig / the ds_config section. The graphs themselves are checked on the GPU
+(tests/gpu/test_layer_graphs_gpu.py, tests/gpu/test_graph_pool_loans_gpu.py)."""
 import warnings
 from types import SimpleNamespace
 
@@ -131,3 +132,32 @@ def test_the_options_are_validated_in_the_config_and_the_ds_config_section():
                 ActivationConfig(**{name: bad})
             with pytest.raises(error, match=name):
                 parse_section({"coat": {name: bad}})
+
+
+def test_the_first_loan_drops_the_pool_and_sizes_it_from_the_pool_and_the_loan(monkeypatch):
+    """The pool as the captures left it (no reserved size yet) is dropped at the first loan, which lends ordinary
+    memory and counts it; the pool's reserved size becomes the larger of its old size and the loan, also when the
+    borrowing work fails; nothing is lent while a replay's backward is pending."""
+    from coat_kernels.act.graph_pool_loans import lend
+
+    fake_captures(monkeypatch)
+    pool, _, (first, second) = layers()
+    monkeypatch.setattr(GraphPool, "segment_bytes", lambda self: 1000)
+    a = call(first, 100, 128)
+    call(second, 100, 128)
+    token = _Token(a)
+    with lend(pool) as loan:
+        assert loan is None  # `first` is in flight
+    token.finish()
+    with lend(pool) as loan:
+        assert loan.sizing and not pool.generations and a.forward.released
+        t = loan.empty(300, torch.float32, torch.device("cpu"))
+        assert t.shape == (300,)
+    assert pool.reserve_bytes == 1200 and loan.bytes == 1200 and not pool.reset_requested
+    call(first, 100, 128)
+    pool.reserve_bytes = 0
+    with pytest.raises(RuntimeError, match="step failed"):
+        with lend(pool) as loan:
+            loan.empty(100, torch.float32, torch.device("cpu"))
+            raise RuntimeError("step failed")
+    assert pool.reserve_bytes == 1000 and not pool.generations
