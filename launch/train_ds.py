@@ -10,7 +10,10 @@ every rank; at the end peak memory per rank and a JSON summary line (`SUMMARY {.
 `engine.step()` alone and rank 0's peak CPU resident set, which holds the optimizer states under ZeRO-Offload). `--csv`
 writes the curve. `--profile-step STEP [--profile-out DIR]` runs that step under torch.profiler and writes, per rank,
 its chrome trace and a table of the host ops by self CPU time with the step's kernel launch count (the step is left
-out of the timing medians): where a host-bound step's time goes.
+out of the timing medians): where a host-bound step's time goes. `--probe-step STEP` (repeatable) runs that step's
+micro-batch, before its forward, through the model and through the same weights unconverted and prints `PROBE {...}`
+(rank 0; launch/fp8_probe.py): where FP8 activations change the forward, and what a per-tensor E4M3 scale does to
+each GEMM input.
 The optimizer, ZeRO stage and precision come from the DeepSpeed config; this script only sets the batch sizes
 (`--global-batch` sequences per step, split over the data-parallel ranks) and, with `--lr`, the peak learning rate.
 
@@ -117,6 +120,9 @@ def parse_args(argv=None):
                         "of the timing medians")
     p.add_argument("--profile-out", default="profile",
                    help="where --profile-step writes rankR_stepS.json.gz (chrome trace) and rankR_stepS_host_ops.txt")
+    p.add_argument("--probe-step", type=int, action="append", default=[], metavar="STEP",
+                   help="before this step's forward, run its micro-batch through the model and through the same "
+                        "weights unconverted (launch/fp8_probe.py) and print PROBE {json} (rank 0); repeatable")
     p.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     args = p.parse_args(argv)
     check_checkpoint_args(p, args)
@@ -126,6 +132,9 @@ def parse_args(argv=None):
         p.error(f"--min-len {args.min_len} must be between 1 and --seq-len {args.seq_len}")
     if args.profile_step is not None and not 1 <= args.profile_step <= args.steps:
         p.error(f"--profile-step {args.profile_step} is not one of the steps 1..{args.steps} this run trains")
+    for step in args.probe_step:
+        if not 1 <= step <= args.steps:
+            p.error(f"--probe-step {step} is not one of the steps 1..{args.steps} this run trains")
     return args
 
 
@@ -239,6 +248,8 @@ def main(argv=None):
     rank, world = dist.get_rank(), dist.get_world_size()
     resume = checkpoint_to_resume(args.resume, args.universal, world) if args.resume else None
     config = load_config(args, world)
+    if args.probe_step and config.get("zero_optimization", {}).get("stage", 0) == 3:
+        raise SystemExit("--probe-step needs the whole weights on rank 0, which ZeRO-3 partitions: use stage 1 or 2")
     model = build_model(args.model, args.seq_len, device, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     apply_peer_options(model, args)
@@ -275,6 +286,9 @@ def main(argv=None):
             memory["before_forward"] = torch.cuda.memory_allocated(device)
             memory["first_step_peak"] = torch.cuda.max_memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
+        if step + 1 in args.probe_step and rank == 0:
+            print("PROBE " + json.dumps(dict(step=step + 1, **probe(engine.module, batch, args, device))),
+                  flush=True)
         profiler = start_profiler(device) if step + 1 == args.profile_step else None
         phases = device.type == "cuda" and step + 1 == args.steps  # the last step: peak memory per phase
         if phases:
@@ -369,6 +383,19 @@ def main(argv=None):
         csv.close()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def probe(model, batch: dict, args, device) -> dict:
+    """launch.fp8_probe.probe_batch against the same weights in an unconverted model of --model."""
+    from launch import fp8_probe
+
+    reference = fp8_probe.reference_model(model, lambda: build_model(args.model, args.seq_len, device, args.seed))
+    try:
+        return fp8_probe.probe_batch(model, reference, batch)
+    finally:
+        del reference
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def make_deterministic():
