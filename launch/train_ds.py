@@ -389,7 +389,9 @@ def probe(model, batch: dict, args, device) -> dict:
     """launch.fp8_probe.probe_batch against the same weights in an unconverted model of --model."""
     from launch import fp8_probe
 
-    reference = fp8_probe.reference_model(model, lambda: build_model(args.model, args.seq_len, device, args.seed))
+    # build_model seeds torch's generators: the run's random state stays as it was
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        reference = fp8_probe.reference_model(model, lambda: build_model(args.model, args.seq_len, device, args.seed))
     try:
         return fp8_probe.probe_batch(model, reference, batch)
     finally:
