@@ -179,7 +179,7 @@ class GraphPool:
 
     def __del__(self):
         # a model dropped with its graphs is collected as one cycle, in no set order: the graphs go first
-        if self.generations:
+        if getattr(self, "generations", None):  # (absent when a copy failed before its state was set)
             self.release_graphs()
 
     def segment_bytes(self) -> int:
