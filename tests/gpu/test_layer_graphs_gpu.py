@@ -259,7 +259,6 @@ def test_moved_parameters_recapture_and_checkpointing_and_eval_run_eagerly():
     assert replays(graphed) == before
 
 
-
 def test_a_pool_dropped_while_a_capture_is_referenced_elsewhere_releases_its_graphs():
     """Moved parameters make the pool drop its generations while a capture is still referenced from outside (as an
     exception's traceback or a kept variable would keep it): its graphs are let go with the pool (torch aborts the
@@ -310,6 +309,7 @@ def test_no_garbage_collection_runs_while_a_layer_captures():
         gc.set_threshold(*threshold)
     assert len(graphed.model.layers[0].coat.graphs.captures) == 1
     assert during_capture and not any(during_capture), during_capture.count(True)
+
 
 def test_buckets_beyond_the_limit_run_eagerly_with_the_eager_results():
     eager, graphed = model_pair(cuda_graph_shapes=2, cuda_graph_pad_multiple=64)
