@@ -70,7 +70,7 @@ def traced(name, original, peaks: StepPeaks):
 
 def main():
     import coat_ds.graph_pool_step as graph_pool_step
-    from coat_kernels.act.layer_graphs import GraphPool
+    from coat_kernels.act.graph_pool import GraphPool
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     argv = sys.argv[1:]

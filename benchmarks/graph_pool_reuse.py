@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from coat_kernels.act.layer_graphs import unowned
+from coat_kernels.act.graph_pool import unowned
 
 MIB = 1 << 20
 

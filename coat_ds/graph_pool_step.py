@@ -13,7 +13,7 @@ DeepSpeed's own.
 from __future__ import annotations
 
 from coat_kernels.act.graph_pool_loans import lend
-from coat_kernels.act.layer_graphs import GraphPool
+from coat_kernels.act.graph_pool import GraphPool
 
 from . import patch_sites
 

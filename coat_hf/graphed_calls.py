@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from coat_kernels.act.layer_graphs import SharedInputs
+from coat_kernels.act.graph_pool import SharedInputs
 
 from . import attention
 

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import torch
 
-E4M3_MAX = 448.0
-E4M3_MIN_NORMAL = 2.0 ** -6
-E4M3_MIN_SUBNORMAL = 2.0 ** -9
+from coat_kernels.formats import E4M3
 
 
 def e4m3_input_stats(x: torch.Tensor, real_rows: torch.Tensor | None = None, token_ids=None) -> dict:
@@ -32,12 +30,12 @@ def e4m3_input_stats(x: torch.Tensor, real_rows: torch.Tensor | None = None, tok
     if amax == 0 or not nonzero.numel():
         return {"amax": amax, "amax_over_p999": 0.0, "flushed_to_zero": 0.0, "below_normal": 0.0,
                 "amax_row": None, "amax_row_is_padding": None, "amax_token": None}
-    scaled = nonzero * (E4M3_MAX / amax)
+    scaled = nonzero * (E4M3.max / amax)
     p999 = torch.quantile(nonzero[::max(1, nonzero.numel() >> 20)], 0.999).item()  # quantile's size limit
     row = int(a.max(dim=1).values.argmax())
     return {"amax": amax, "amax_over_p999": amax / p999 if p999 > 0 else float("inf"),
-            "flushed_to_zero": (scaled <= E4M3_MIN_SUBNORMAL / 2).float().mean().item(),  # the tie: to 0 (even)
-            "below_normal": (scaled < E4M3_MIN_NORMAL).float().mean().item(),
+            "flushed_to_zero": (scaled <= E4M3.min_subnormal / 2).float().mean().item(),  # the tie: to 0 (even)
+            "below_normal": (scaled < 2.0 ** E4M3.min_normal_exp).float().mean().item(),
             "amax_row": row,
             "amax_row_is_padding": None if real_rows is None else not bool(real_rows[row]),
             "amax_token": None if token_ids is None else int(token_ids[row])}

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .layer_graphs import GraphPool
+from .graph_pool import GraphPool
 
 
 class PoolLoan:

@@ -5,7 +5,7 @@
   it (handoff.GradientAmaxHandoff);
 - `clock`: the optimizer-step count that keeps FP8 weight copies valid (weights.StepClock);
 - `rope`: the cos/sin tables of the model's rotary embedding, made once for all its layers (rope.RopeTables);
-- `graph_pool`: what the model's CUDA-graphed layers share (layer_graphs.GraphPool).
+- `graph_pool`: what the model's CUDA-graphed layers share (graph_pool.GraphPool).
 One runtime per model: the modules of a model (a converted Hugging Face model, a Megatron GPT) are given the same
 one; a module built without one gets its own (correct, but no hand-off between modules and no weight cache until
 its clock is attached to the optimizer).
@@ -16,7 +16,7 @@ import warnings
 
 from .config import ActivationConfig
 from .handoff import GradientAmaxHandoff
-from .layer_graphs import GraphPool
+from .graph_pool import GraphPool
 from .rope import RopeTables
 from .scaling import ScaleTickets
 from .weights import StepClock, WeightCache

@@ -9,7 +9,7 @@ import torch
 
 from coat_hf import ActivationConfig, convert_to_coat
 from coat_hf.graphed_calls import bucket_length, pad_shared
-from coat_kernels.act.layer_graphs import Generation, SharedInputs
+from coat_kernels.act.graph_pool import Generation, SharedInputs
 from test_hf import batch, tiny
 
 

@@ -13,7 +13,8 @@ import torch
 
 from coat_ds.ds_config import parse_section
 from coat_kernels.act import ActivationConfig
-from coat_kernels.act.layer_graphs import GraphPool, GraphedLayer, SharedInputs, _Token
+from coat_kernels.act.graph_pool import GraphPool, SharedInputs
+from coat_kernels.act.layer_graphs import GraphedLayer, _Token
 
 SHARED = SharedInputs(("none",), (), lambda sources, n, out=None: [] if out is None else out)
 
