@@ -3,9 +3,11 @@
 
 Prints, per arm: the memory allocated between steps, what one step adds at its peak, the peak; for the graphs, the
 pool's segments and what each generation holds by kind (the autograd graphs' saved tensors, buffers), counted once
-per storage.
+per storage. With --sites, what is allocated at the end of the forward of step --sites-step (the graphs capture at
+step 0), summed by the code that allocated it (the innermost frame in coat_hf / coat_kernels, else transformers),
+the graph pool's blocks apart from ordinary memory.
 
-    python benchmarks/graph_memory.py [--layers 4] [--micro-batch 8] [--seq 2048] [--lengths 1536,1792]
+    python benchmarks/graph_memory.py [--layers 4] [--micro-batch 8] [--seq 2048] [--lengths 1536,1792] [--sites]
 """
 from __future__ import annotations
 
@@ -35,7 +37,23 @@ def replays(model) -> int:
     return sum(c.replays for gen in pool.generations.values() for c in gen.order)
 
 
-def run(model, steps, batch, lengths, padded_row=False):
+def allocation_sites(snapshot) -> dict:
+    """(pool or ordinary memory, allocating site) -> GiB of the active blocks of a memory snapshot."""
+    sites = {}
+    for seg in snapshot["segments"]:
+        where = "pool" if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0) else "ordinary"
+        for block in seg["blocks"]:
+            if block["state"] != "active_allocated":
+                continue
+            frames = block.get("frames", [])
+            ours = [f for f in frames if "coat_hf" in f["filename"] or "coat_kernels" in f["filename"]]
+            pick = ours[:2] or [f for f in frames if "transformers" in f["filename"]][:1] or frames[:1]
+            site = " < ".join(f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']}({f['name']})" for f in pick)
+            sites[(where, site)] = sites.get((where, site), 0) + block["size"] / GIB
+    return sites
+
+
+def run(model, steps, batch, lengths, padded_row=False, sites_step=None):
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     g = torch.Generator(device="cuda").manual_seed(1)
     rows = []
@@ -51,7 +69,18 @@ def run(model, steps, batch, lengths, padded_row=False):
         torch.cuda.reset_peak_memory_stats()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+        if i == sites_step:
+            torch.cuda.memory._record_memory_history(stacks="python")
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+        if i == sites_step:
+            sites = allocation_sites(torch.cuda.memory._snapshot())
+            torch.cuda.memory._record_memory_history(enabled=None)
+            print(f"  allocated at the end of step {i}'s forward, by site (GiB, largest first):")
+            for (where, site), gib in sorted(sites.items(), key=lambda kv: -kv[1])[:25]:
+                print(f"    {gib:7.3f}  {where:8s}  {site}")
+            print(f"    total {sum(sites.values()):.3f} (pool {sum(v for k, v in sites.items() if k[0] == 'pool'):.3f})")
+        loss.backward()
+        del loss
         end.record()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -96,12 +125,16 @@ def main():
     p.add_argument("--lengths", default="1536,1792", help="then steps at these lengths too")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--mask", action="store_true", help="one row padded: a 4-D attention mask")
+    p.add_argument("--sites", action="store_true", help="what the forward of --sites-step allocated, by site")
+    p.add_argument("--sites-step", type=int, default=0, help="the step whose forward --sites traces (0: the "
+                   "graphs' capture step)")
     args = p.parse_args()
     base = build(args.layers, args.seq)
     more = [int(n) for n in args.lengths.split(",") if n]
     for arm, options in (("coat eager", {}), ("coat graphs", {"cuda_graphs": True})):
         model = convert_to_coat(copy.deepcopy(base), ActivationConfig(cache_weights=False, **options))
-        rows = run(model, args.steps, args.micro_batch, [args.seq], args.mask)
+        rows = run(model, args.steps, args.micro_batch, [args.seq], args.mask,
+                   args.sites_step if args.sites else None)
         print(f"== {arm}, {args.layers} layers, micro-batch {args.micro_batch} x {args.seq}")
         for r in rows:
             print(f"  length {r['length']}: held {r['held']:.2f} GiB, step peak {r['peak']:.2f} (adds "

@@ -36,10 +36,13 @@ What keeps replays right:
   replay, as a single graphed layer's always is.
 - Inputs are copied into the graph's input buffer (padded rows zeroed), unless they are the previous layer's output
   buffer, which is then the input buffer itself: consecutive graphed layers pass activations without a copy.
-- Capture runs `warmup` eager forward + backward passes first (on a side stream, `torch.autograd.grad`, so nothing
-  is accumulated into `.grad`; after emptying the allocator's cache, so the side stream's allocations reuse what
-  other streams held cached instead of adding to it), then captures the forward and the backward on one capture
-  stream, with Python's garbage collector paused (a collection could free another model's graphs mid-capture).
+- Capture runs `warmup` eager forward + backward passes first (`torch.autograd.grad`, so nothing is accumulated into
+  `.grad`; after emptying the allocator's cache, so the warm-up's allocations reuse what other streams held cached
+  instead of adding to it), then captures the forward and the backward, with Python's garbage collector paused (a
+  collection could free another model's graphs mid-capture). Warm-ups and captures all run on the pool's one capture
+  stream: cuBLAS keeps a workspace for every stream its GEMMs ran on (per thread, for the life of the process), so a
+  stream per capture would leave two workspaces behind per layer; on one stream the warm-up makes them once, in
+  ordinary memory, and every capture reuses them.
   During capture the module's parameters are replaced by aliases (same storage), so the captured autograd graph
   holds no node of the real parameters: their gradient accumulation (and any hook an engine put on it) runs on the
   stream of the eager backward. The gradients handed to autograd are views of graph buffers, so autograd copies them
@@ -205,13 +208,13 @@ class GraphedLayer:
         # graph as it was then, and a cast made in the capture would live in the graph's memory
         autocast = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
                                   enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
-        # the warm-up runs on a stream of its own, and a new pool reserves its first segment: neither can take the
+        # the warm-up runs on the capture stream, and a new pool reserves its first segment: neither can take the
         # blocks other streams hold cached, so give those back first (torch.cuda.graph does the same before the
         # capture), or a new bucket's first capture would add the warm-up's memory and the reserve on top of them
         torch.cuda.empty_cache()
         handle = self.pool.handle
         with _parameters_replaced(self.module, self.names, aliases), autocast:
-            side = torch.cuda.Stream()
+            side = self.pool.capture_stream
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(self.warmup):
