@@ -78,7 +78,8 @@ def run(model, steps, batch, lengths, padded_row=False, sites_step=None):
             print(f"  allocated at the end of step {i}'s forward, by site (GiB, largest first):")
             for (where, site), gib in sorted(sites.items(), key=lambda kv: -kv[1])[:25]:
                 print(f"    {gib:7.3f}  {where:8s}  {site}")
-            print(f"    total {sum(sites.values()):.3f} (pool {sum(v for k, v in sites.items() if k[0] == 'pool'):.3f})")
+            pool = sum(v for (where, _), v in sites.items() if where == "pool")
+            print(f"    total {sum(sites.values()):.3f} (pool {pool:.3f})")
         loss.backward()
         del loss
         end.record()
