@@ -53,9 +53,9 @@ class GraphPool:
 
     @property
     def capture_stream(self) -> torch.cuda.Stream:
-        """The one stream every capture runs on: the caching allocator keeps a pool's free blocks per stream, so
-        captures (and work borrowing the pool's memory, kernels.act.graph_pool_loans) reuse each other's memory only
-        on one stream."""
+        """The one stream every capture and its warm-up run on: the caching allocator keeps a pool's free blocks per
+        stream, so captures (and work borrowing the pool's memory, kernels.act.graph_pool_loans) reuse each other's
+        memory only on one stream; and cuBLAS keeps a workspace per stream it ran on, made once here."""
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         return self._stream
