@@ -214,18 +214,18 @@ class GraphedLayer:
         torch.cuda.empty_cache()
         handle = self.pool.handle
         with _parameters_replaced(self.module, self.names, aliases), autocast:
-            side = self.pool.capture_stream
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            stream = self.pool.capture_stream
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
                 for _ in range(self.warmup):
                     leaf = x_warm.detach().requires_grad_(x.requires_grad)
                     out = self.fn(leaf, *shared_warm)
                     surface = ([leaf] if leaf.requires_grad else []) + aliases
                     torch.autograd.grad(out, surface, torch.zeros_like(out), allow_unused=True)
                     del out, leaf
-            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.current_stream().wait_stream(stream)
             forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with _collection_paused(), torch.cuda.graph(forward, pool=handle, stream=self.pool.capture_stream):
+            with _collection_paused(), torch.cuda.graph(forward, pool=handle, stream=stream):
                 # buffers made here (no kernel runs) come from the pool; they are filled before each replay
                 if gen.shared is None:
                     owners = [torch.empty_like(t) if t is not None else None for t in shared_warm]
@@ -240,7 +240,7 @@ class GraphedLayer:
                     gen.hold(("input", len(gen.order)), owner)
                     x_static = unowned(owner).requires_grad_(x.requires_grad)
                 output = self.fn(x_static, *gen.shared)
-            with _collection_paused(), torch.cuda.graph(backward, pool=handle, stream=self.pool.capture_stream):
+            with _collection_paused(), torch.cuda.graph(backward, pool=handle, stream=stream):
                 grad_output = torch.empty_like(output)
                 surface = ([x_static] if x_static.requires_grad else []) + aliases
                 grads = torch.autograd.grad(output, surface, grad_output, allow_unused=True, retain_graph=True)
