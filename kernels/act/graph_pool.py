@@ -29,6 +29,7 @@ class GraphPool:
     def __init__(self):
         self._memory = None
         self._stream = None
+        self._warmup_stream = None
         self.generations: dict = {}
         self.handed_out: list = []  # weak references to outputs returned by replays, newest last
         self.warned: set = set()
@@ -53,17 +54,28 @@ class GraphPool:
 
     @property
     def capture_stream(self) -> torch.cuda.Stream:
-        """The one stream every capture and its warm-up run on: the caching allocator keeps a pool's free blocks per
-        stream, so captures (and work borrowing the pool's memory, kernels.act.graph_pool_loans) reuse each other's
-        memory only on one stream; and cuBLAS keeps a workspace per stream it ran on, made once here."""
+        """The one stream every capture runs on: the caching allocator keeps a pool's free blocks per stream, so
+        captures (and work borrowing the pool's memory, kernels.act.graph_pool_loans) reuse each other's memory only
+        on one stream. cuBLAS keeps a workspace per stream (and thread) it ran on: a generation's first capture makes
+        this stream's in the pool (kernels.act.layer_graphs)."""
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         return self._stream
 
+    @property
+    def warmup_stream(self) -> torch.cuda.Stream:
+        """The one stream every capture's eager warm-up runs on, so cuBLAS makes its workspaces for warm-ups once, not
+        per layer (it keeps them for the life of the process). Of high priority: torch hands out the streams of one
+        priority round-robin from a small set, and this one must never be the capture stream, or the captures would
+        find the warm-up's workspace, in ordinary memory, and use it."""
+        if self._warmup_stream is None:
+            self._warmup_stream = torch.cuda.Stream(priority=-1)
+        return self._warmup_stream
+
     def __getstate__(self):
         """Copies and pickles start empty (a copied model captures its own graphs in a pool of its own)."""
-        return {"_memory": None, "_stream": None, "generations": {}, "handed_out": [], "warned": set(),
-                "reset_requested": False, "reserve_bytes": 0}
+        return {"_memory": None, "_stream": None, "_warmup_stream": None, "generations": {}, "handed_out": [],
+                "warned": set(), "reset_requested": False, "reserve_bytes": 0}
 
     def generation(self, key, max_generations: int, shapes) -> "Generation | None":
         """The generation of bucket `key` (made now if new and within max_generations; else None, with one warning
@@ -126,6 +138,10 @@ class GraphPool:
             for capture in gen.captures.values():
                 capture.forward.reset()
                 capture.backward.reset()
+        if self._memory is not None:
+            # cuBLAS's workspaces for the capture stream live in the pool (kernels.act.layer_graphs) and keep it
+            # allocated; the next GEMM on any stream makes its own anew
+            torch._C._cuda_clearCublasWorkspaces()
 
     def __del__(self):
         # a model dropped with its graphs is collected as one cycle, in no set order: the graphs go first

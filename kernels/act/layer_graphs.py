@@ -39,10 +39,13 @@ What keeps replays right:
 - Capture runs `warmup` eager forward + backward passes first (`torch.autograd.grad`, so nothing is accumulated into
   `.grad`; after emptying the allocator's cache, so the warm-up's allocations reuse what other streams held cached
   instead of adding to it), then captures the forward and the backward, with Python's garbage collector paused (a
-  collection could free another model's graphs mid-capture). Warm-ups and captures all run on the pool's one capture
-  stream: cuBLAS keeps a workspace for every stream its GEMMs ran on (per thread, for the life of the process), so a
-  stream per capture would leave two workspaces behind per layer; on one stream the warm-up makes them once, in
-  ordinary memory, and every capture reuses them.
+  collection could free another model's graphs mid-capture). Every warm-up runs on the pool's one warm-up stream and
+  every capture on its one capture stream: cuBLAS keeps a workspace for every stream its GEMMs ran on (per thread,
+  for the life of the process), so a stream per capture would leave two workspaces behind per layer. A generation's
+  first capture clears cuBLAS's workspaces (as torch.compile's CUDA-graph trees do before they record), so its
+  graphs' workspaces are made in the pool: whatever clears them later frees pool memory, which only the pool's own
+  captures and loans take (never while the graphs that use it are in flight), not ordinary memory that any tensor
+  could take while the graphs keep writing it.
   During capture the module's parameters are replaced by aliases (same storage), so the captured autograd graph
   holds no node of the real parameters: their gradient accumulation (and any hook an engine put on it) runs on the
   stream of the eager backward. The gradients handed to autograd are views of graph buffers, so autograd copies them
@@ -208,22 +211,25 @@ class GraphedLayer:
         # graph as it was then, and a cast made in the capture would live in the graph's memory
         autocast = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
                                   enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
-        # the warm-up runs on the capture stream, and a new pool reserves its first segment: neither can take the
+        # the warm-up runs on a stream of its own, and a new pool reserves its first segment: neither can take the
         # blocks other streams hold cached, so give those back first (torch.cuda.graph does the same before the
         # capture), or a new bucket's first capture would add the warm-up's memory and the reserve on top of them
+        if previous is None:
+            # a generation's first capture makes the capture stream's cuBLAS workspaces anew, in the pool, where the
+            # generation's graphs keep using them (see GraphPool.capture_stream); the warm-up's are made anew too
+            torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
-        handle = self.pool.handle
+        handle, stream, warm_stream = self.pool.handle, self.pool.capture_stream, self.pool.warmup_stream
         with _parameters_replaced(self.module, self.names, aliases), autocast:
-            stream = self.pool.capture_stream
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
+            warm_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(warm_stream):
                 for _ in range(self.warmup):
                     leaf = x_warm.detach().requires_grad_(x.requires_grad)
                     out = self.fn(leaf, *shared_warm)
                     surface = ([leaf] if leaf.requires_grad else []) + aliases
                     torch.autograd.grad(out, surface, torch.zeros_like(out), allow_unused=True)
                     del out, leaf
-            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.current_stream().wait_stream(warm_stream)
             forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with _collection_paused(), torch.cuda.graph(forward, pool=handle, stream=stream):
                 # buffers made here (no kernel runs) come from the pool; they are filled before each replay

@@ -176,25 +176,42 @@ def test_a_new_buckets_capture_reuses_the_memory_other_streams_held_cached():
     assert torch.cuda.max_memory_reserved() <= before, (torch.cuda.max_memory_reserved(), before)
 
 
-def allocated_outside_pools() -> int:
-    """Bytes allocated in ordinary memory (outside every CUDA-graph pool)."""
+def allocated_in(pool_id=(0, 0)) -> int:
+    """Bytes allocated in the CUDA-graph pool `pool_id` ((0, 0): ordinary memory, outside every pool)."""
     return sum(s["allocated_size"] for s in torch.cuda.memory_snapshot()
-               if tuple(s.get("segment_pool_id", (0, 0))) == (0, 0))
+               if tuple(s.get("segment_pool_id", (0, 0))) == tuple(pool_id))
 
 
 def test_captures_leave_nothing_per_layer_outside_the_pool():
-    """A capture step of eight layers leaves at most cuBLAS's workspaces of one stream (two threads, 32 MiB each on
-    Hopper) and the gradients allocated outside the graph pool: cuBLAS keeps a workspace per stream its GEMMs ran
-    on, so a warm-up stream per layer would leave 64 MiB behind per layer."""
+    """A capture step of eight layers leaves at most four cuBLAS workspaces (32 MiB each on Hopper: the warm-up
+    stream's and the current stream's, each for the forward's thread and autograd's) and the gradients allocated
+    outside the graph pool: cuBLAS keeps a workspace per stream its GEMMs ran on, so a warm-up stream per layer
+    would leave 64 MiB behind per layer."""
     _, graphed = model_pair(layers=8)
     torch.cuda.synchronize()
-    before = allocated_outside_pools()
+    before = allocated_in()
     train(graphed, 1, lr=0.0)
     torch.cuda.synchronize()
     grads = sum(p.grad.untyped_storage().nbytes() for p in graphed.parameters())
     assert sum(replays(graphed)) == 8
-    left = allocated_outside_pools() - before - grads
-    assert left <= 2 * 32 * 2 ** 20 + 2 ** 20, left / 2 ** 20
+    left = allocated_in() - before - grads
+    assert left <= 4 * 32 * 2 ** 20 + 2 ** 20, left / 2 ** 20
+
+
+def test_the_graphs_cublas_workspaces_live_in_the_pool():
+    """The captures' cuBLAS workspaces are pool memory: clearing cuBLAS's workspaces (torch.compile's CUDA-graph
+    trees do before they record) frees them inside the pool, which only the pool's own captures and loans take, and
+    the graphs keep giving eager's results."""
+    eager, graphed = model_pair(layers=2)
+    (l_e, g_e), (l_g, g_g) = (train(m, 1, lr=0.0) for m in (eager, graphed))
+    torch.cuda.synchronize()
+    pool_id = graphed.coat_runtime.graph_pool.handle
+    held = allocated_in(pool_id)
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.synchronize()
+    assert held - allocated_in(pool_id) >= 32 * 2 ** 20, (held, allocated_in(pool_id))
+    assert_close(train(graphed, 2, seed=3, lr=0.0), train(eager, 2, seed=3, lr=0.0))
+    assert sum(replays(graphed)) == 2 * 3
 
 
 def test_gradient_accumulation_over_micro_batches():
