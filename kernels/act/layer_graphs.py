@@ -211,13 +211,13 @@ class GraphedLayer:
         # graph as it was then, and a cast made in the capture would live in the graph's memory
         autocast = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
                                   enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
-        # the warm-up runs on a stream of its own, and a new pool reserves its first segment: neither can take the
-        # blocks other streams hold cached, so give those back first (torch.cuda.graph does the same before the
-        # capture), or a new bucket's first capture would add the warm-up's memory and the reserve on top of them
         if previous is None:
             # a generation's first capture makes the capture stream's cuBLAS workspaces anew, in the pool, where the
             # generation's graphs keep using them (see GraphPool.capture_stream); the warm-up's are made anew too
             torch._C._cuda_clearCublasWorkspaces()
+        # the warm-up runs on a stream of its own, and a new pool reserves its first segment: neither can take the
+        # blocks other streams hold cached, so give those back first (torch.cuda.graph does the same before the
+        # capture), or a new bucket's first capture would add the warm-up's memory and the reserve on top of them
         torch.cuda.empty_cache()
         handle, stream, warm_stream = self.pool.handle, self.pool.capture_stream, self.pool.warmup_stream
         with _parameters_replaced(self.module, self.names, aliases), autocast:
