@@ -112,9 +112,7 @@ def held_by_kind(model) -> dict:
             else:
                 tensors = owner if isinstance(owner, list) else [owner]
             kinds[kind] = kinds.get(kind, 0) + storages_bytes(tensors) / GIB
-    handle = tuple(pool.handle)
-    kinds["pool segments"] = sum(s["total_size"] for s in torch.cuda.memory_snapshot()
-                                 if tuple(s.get("segment_pool_id", ())) == handle) / GIB
+    kinds["pool segments"] = pool.segment_bytes() / GIB
     return kinds
 
 
