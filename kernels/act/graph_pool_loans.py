@@ -11,17 +11,18 @@ that memory:
         flat = loan.flatten(tensors, torch.float32) if loan else torch.cat(...)
         ...                            # every lent tensor must be gone when the block ends
 
-`lend` first has every generation give its memory back to the pool (their graphs keep writing it at their next
-replays), then `PoolLoan.empty` / `PoolLoan.flatten` allocate from the pool's free blocks: on the pool's capture stream,
-since the caching allocator keeps a pool's blocks per stream; the tensors are then used on the caller's stream, which
-they are recorded on. A pool as the captures leave it is many segments (the allocator gives each large allocation
-its own), where a large loan finds no free block big enough. So the first loan (the pool has no reserved size yet)
-drops the pool instead: its memory goes back to the device, the loan's tensors come from ordinary memory, and the
-layers capture anew at the next forward into one segment of max(the pool's size, the loan's size) reserved up front
-(GraphPool.reserve_bytes), where every later loan fits. The step that sizes the pool thus needs no memory beyond the
-pool's. A later loan larger than that segment takes new memory and has the pool grow the same way at the next
-step. A lent tensor still referenced when the block ends would be overwritten by the next replay: the pool then
-drops its graphs and captures anew at the next step (the tensor keeps the old memory), with one warning.
+`lend` first has every generation give its memory back to the pool, and lets go of cuBLAS's workspaces, the last pool
+memory still allocated (the graphs keep writing all of it at their next replays), then `PoolLoan.empty` /
+`PoolLoan.flatten` allocate from the pool's free blocks: on the pool's capture stream, since the caching allocator
+keeps a pool's blocks per stream; the tensors are then used on the caller's stream, which they are recorded on. A pool
+as the captures leave it is many segments (the allocator gives each large allocation its own), where a large loan
+finds no free block big enough. So the first loan (the pool has no reserved size yet) drops the pool instead: its
+memory goes back to the device, the loan's tensors come from ordinary memory, and the layers capture anew at the next
+forward into one segment of max(the pool's size, the loan's size) reserved up front (GraphPool.reserve_bytes), where
+every later loan fits. The step that sizes the pool thus needs no memory beyond the pool's. A later loan larger than
+that segment takes new memory and has the pool grow the same way at the next step. A lent tensor still referenced when
+the block ends would be overwritten by the next replay: the pool then drops its graphs and captures anew at the next
+step (the tensor keeps the old memory), with one warning.
 """
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ from contextlib import contextmanager
 import torch
 
 from .graph_pool import GraphPool
+
+
+def allocated_size(t: torch.Tensor) -> int:
+    """The bytes the caching allocator takes for t's storage (it rounds every request up to 512 bytes)."""
+    return -(-t.untyped_storage().nbytes() // 512) * 512
 
 
 class PoolLoan:
@@ -48,7 +54,7 @@ class PoolLoan:
         stream."""
         if self.sizing:
             t = torch.empty(numel, dtype=dtype, device=device)
-            self.bytes += t.untyped_storage().nbytes()
+            self.bytes += allocated_size(t)
             return t
         user = torch.cuda.current_stream(device)
         stream = self.pool.capture_stream
@@ -59,7 +65,7 @@ class PoolLoan:
         self.outside += torch.cuda.memory_reserved(device) - reserved
         t.record_stream(user)
         self.lent.append(weakref.ref(t))
-        self.bytes += t.untyped_storage().nbytes()
+        self.bytes += allocated_size(t)
         return t
 
     def flatten(self, tensors, dtype: torch.dtype) -> torch.Tensor:
@@ -95,6 +101,10 @@ def lend(pool: GraphPool):
             pool.reserve_bytes = max(size, loan.bytes)
         return
     pool.close_all()
+    # cuBLAS's workspaces for the capture stream are the last pool memory still allocated, wherever the captures
+    # placed them: let go of them (the graphs keep writing them as scratch at their replays, as they do every block
+    # given back), or they would split the reserved segment and no loan as large as it would fit
+    torch._C._cuda_clearCublasWorkspaces()
     loan = PoolLoan(pool)
     try:
         yield loan

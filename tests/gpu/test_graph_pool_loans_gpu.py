@@ -1,9 +1,10 @@
 """Lending the CUDA-graph pool's memory between a backward and the next forward (coat_kernels.act.graph_pool_loans,
-coat_ds.graph_pool_step): a lent tensor takes free pool memory instead of growing the reserved memory; the graphs
-replay afterwards with the bits they give without a loan; a lent tensor that outlives its block makes the layers
-capture anew and is left untouched; nothing is lent while a backward is pending; a ZeRO-2 engine with per-layer
-graphs steps with its gradient partitions in the pool, with the bits of the same engine without the loans, with and
-without ZeRO-2's contiguous gradient buffers; and without them it trains as with them.
+coat_ds.graph_pool_step): a lent tensor takes free pool memory instead of growing the reserved memory, also loans
+larger than the graphs' memory, every step after the one that sizes the pool; the graphs replay afterwards with the
+bits they give without a loan; a lent tensor that outlives its block makes the layers capture anew and is left
+untouched; nothing is lent while a backward is pending; a ZeRO-2 engine with per-layer graphs steps with its gradient
+partitions in the pool, with the bits of the same engine without the loans, with and without ZeRO-2's contiguous
+gradient buffers; and without them it trains as with them.
 
     python3 -m pytest -q tests/gpu/test_graph_pool_loans_gpu.py
 """
@@ -84,6 +85,45 @@ def test_a_loan_takes_pool_memory_and_the_replays_keep_their_bits():
     # the first loan drops the pool (in pieces as the captures left it) and lends ordinary memory: the reserved
     # memory falls; the layers capture anew into one segment, where the later loans fit
     assert grown[0] < 0 and grown[1:] == [0, 0], grown
+
+
+def pool_allocated_large(pool) -> int:
+    """Bytes allocated in the pool's large segments, where loans come from (the caching allocator serves requests
+    under 1 MiB from small segments of their own)."""
+    pool_id = tuple(pool.handle)
+    return sum(s["allocated_size"] for s in torch.cuda.memory_snapshot()
+               if tuple(s.get("segment_pool_id", ())) == pool_id and s["segment_type"] == "large")
+
+
+def test_loans_larger_than_the_activations_fit_in_one_piece_after_the_sizing_step():
+    """At small micro-batches a ZeRO step's fp32 gradient partition is larger than the graphs' memory, so the sizing
+    step makes the pool's segment just the loans' size: inside a later `lend` nothing in the pool's large segments is
+    still allocated (the captures' cuBLAS workspaces would split it), so every later loan fits in one piece:
+    nothing new reserved, no capture anew, and the replays keep their bits."""
+    plain, lending = graphed_model(), graphed_model()
+    pool = lending.coat_runtime.graph_pool
+    sizes, grown, left = [], [], []
+    cuda = torch.device("cuda")
+
+    def borrow(step):
+        if step == 0:
+            sizes.extend([2 * pool.segment_bytes() + 1000, 3 << 20])  # two loans, one not a multiple of 512 bytes
+            return
+        before = torch.cuda.memory_reserved()
+        with lend(pool) as loan:
+            left.append(pool_allocated_large(pool) if not loan.sizing else 0)
+            lent = [loan.empty(n, torch.uint8, cuda).fill_(0xAB) for n in sizes]
+            del lent
+        grown.append(torch.cuda.memory_reserved() - before)
+
+    data = batches(6)
+    expected, got = run(plain, data), run(lending, data, borrow)
+    assert got[0] == expected[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], expected[1]))
+    assert grown[1:] == [0] * 4, (grown, left)
+    assert left == [0] * 5, left
+    # captured anew at step 2, into the segment the sizing loan of step 1 asked for, and replayed ever since
+    assert [c.replays for layer in lending.model.layers for c in layer.coat.graphs.captures.values()] == [4] * 4
 
 
 def test_a_lent_tensor_that_outlives_its_block_is_left_alone_and_the_layers_capture_anew():
