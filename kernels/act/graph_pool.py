@@ -33,7 +33,8 @@ class GraphPool:
         self.generations: dict = {}
         self.handed_out: list = []  # weak references to outputs returned by replays, newest last
         self.warned: set = set()
-        self.reset_requested = False
+        self.reset_requested = ""  # why the generations are to be dropped and captured anew ("": they are not)
+        self.recaptures: dict = {}  # why the generations were dropped to be captured anew -> how often
         self.reserve_bytes = 0  # the pool's first segment, in one piece (see `memory`)
 
     @property
@@ -75,13 +76,15 @@ class GraphPool:
     def __getstate__(self):
         """Copies and pickles start empty (a copied model captures its own graphs in a pool of its own)."""
         return {"_memory": None, "_stream": None, "_warmup_stream": None, "generations": {}, "handed_out": [],
-                "warned": set(), "reset_requested": False, "reserve_bytes": 0}
+                "warned": set(), "reset_requested": "", "recaptures": {}, "reserve_bytes": 0}
 
     def generation(self, key, max_generations: int, shapes) -> "Generation | None":
         """The generation of bucket `key` (made now if new and within max_generations; else None, with one warning
         per model naming `shapes()`, the call's input shapes)."""
         if self.reset_requested and not self.in_flight():
+            reason = self.reset_requested
             self.reset()
+            self._count_recapture(reason)
         gen = self.generations.get(key)
         if gen is None:
             if len(self.generations) >= max_generations:
@@ -94,6 +97,24 @@ class GraphPool:
                 return None
             gen = self.generations[key] = Generation(key)
         return gen
+
+    # captures anew after which a model warns: a capture step costs several replayed ones, so a cause that recurs
+    # every few steps leaves the graphs slower than eager layers
+    RECAPTURES_BEFORE_WARNING = 4
+
+    def request_reset(self, reason: str) -> None:
+        """Drop every generation and capture anew at the next call with nothing in flight, because of `reason`."""
+        self.reset_requested = reason
+
+    def _count_recapture(self, reason: str) -> None:
+        self.recaptures[reason] = self.recaptures.get(reason, 0) + 1
+        total = sum(self.recaptures.values())
+        if total >= self.RECAPTURES_BEFORE_WARNING:
+            causes = "; ".join(f"{why}: {count}" for why, count in self.recaptures.items())
+            self.warn_once("recaptures", f"coat-fp8: the per-layer CUDA graphs were dropped and captured anew {total} "
+                           f"times ({causes}); a capture step costs several replayed steps, so graphs that keep being "
+                           "captured anew run slower than eager layers. Parameters that move to new storage at every "
+                           "step keep the graphs from replaying: train such a model without cuda_graphs.")
 
     def in_flight(self, besides=None) -> bool:
         """Whether a generation other than `besides` has a replay whose backward has not run yet."""
@@ -122,7 +143,7 @@ class GraphPool:
         self.release_graphs()
         self.generations.clear()
         self.handed_out.clear()
-        self.reset_requested = False
+        self.reset_requested = ""
         if self._memory is not None:
             # the dropped pool's segments go back to the device before a new pool reserves its own: first the
             # generations' tensors (they and their captures refer to each other), then the pool

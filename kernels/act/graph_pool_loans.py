@@ -110,11 +110,11 @@ def lend(pool: GraphPool):
         yield loan
     finally:
         if loan.outstanding():
-            pool.reset_requested = True
+            pool.request_reset("a tensor lent from the pool outlived its loan")
             pool.warn_once("loan", f"coat-fp8: {loan.outstanding()} tensor(s) lent from the CUDA-graph pool outlived "
                            "the work they were lent to; the layers capture their graphs anew at the next step")
         elif loan.outside:
             # the loans outgrew the pool's reserved segment: capture anew into one segment as large as the pool or
             # the loans, whichever is larger
             pool.reserve_bytes = max(pool.segment_bytes() - loan.outside, loan.bytes, pool.reserve_bytes)
-            pool.reset_requested = True
+            pool.request_reset("the loans outgrew the pool's reserved segment")

@@ -181,7 +181,7 @@ class GraphedLayer:
             if capture.pending is not None and capture.pending() is not None:
                 return None  # its previous output's backward is pending: that output must stay as it is
             if capture.param_ptrs != tuple(p.data_ptr() for p in self.params):
-                pool.reset_requested = True
+                pool.request_reset("parameters moved to new storage")
                 return None
             gen.fill(shared, n)
             return capture

@@ -2,9 +2,9 @@
 `max_generations` buckets get graphs (others run eagerly, with one warning per model); a new bucket takes the memory
 of the others; only one bucket is in flight, and a layer whose previous call's backward is pending runs eagerly;
 moved parameters make the pool capture anew once nothing is in flight (letting go of the old graphs), as does a layer
-missing from a generation; the first loan of the pool's memory drops the pool and sizes it; the options come from
-ActivationConfig / the ds_config section. The graphs themselves are checked on the GPU
-(tests/gpu/test_layer_graphs_gpu.py, tests/gpu/test_graph_pool_loans_gpu.py)."""
+missing from a generation, and captures anew that recur warn once with their causes; the first loan of the pool's
+memory drops the pool and sizes it; the options come from ActivationConfig / the ds_config section. The graphs
+themselves are checked on the GPU (tests/gpu/test_layer_graphs_gpu.py, tests/gpu/test_graph_pool_loans_gpu.py)."""
 import warnings
 from types import SimpleNamespace
 
@@ -107,6 +107,31 @@ def test_moved_parameters_make_the_pool_capture_anew_once_nothing_is_in_flight(m
     # the dropped captures' graphs are let go even though `old` is still referenced here
     assert old.forward.released and old.backward.released and not new.forward.released
     assert call(second, 100, 128) not in (None, old) and len(made) == 4
+
+
+def test_graphs_captured_anew_again_and_again_warn_once_with_the_causes(monkeypatch):
+    """Parameters that move at every step (and any other cause of captures anew that recurs) would leave the graphs
+    capturing at every step, slower than eager layers: the fourth capture anew warns, once, counting each cause."""
+    made = fake_captures(monkeypatch)
+    pool, modules, (first, second) = layers()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(6):
+            assert call(first, 100, 128) is not None and call(second, 100, 128) is not None  # captured (anew)
+            if step == 3:
+                pool.request_reset("the loans outgrew the pool's reserved segment")
+            else:
+                with torch.no_grad():
+                    modules[1].weight.data = modules[1].weight.data.clone()  # new storage
+                assert call(first, 100, 128) is not None and call(second, 100, 128) is None  # eager until anew
+            if step == 2:
+                assert not [w for w in caught if "captured anew" in str(w.message)]  # two so far
+    assert len(made) == 2 * 6
+    assert pool.recaptures == {"parameters moved to new storage": 4, "the loans outgrew the pool's reserved segment": 1}
+    messages = [str(w.message) for w in caught if "captured anew" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert ("4 times (parameters moved to new storage: 3; the loans outgrew the pool's reserved segment: 1)"
+            in messages[0]), messages
 
 
 def test_a_layer_missing_from_its_generation_captures_it_anew(monkeypatch):
