@@ -11,8 +11,8 @@ that memory:
         flat = loan.flatten(tensors, torch.float32) if loan else torch.cat(...)
         ...                            # every lent tensor must be gone when the block ends
 
-`lend` first has every generation give its memory back to the pool, and lets go of cuBLAS's workspaces, the last pool
-memory still allocated (the graphs keep writing all of it at their next replays), then `PoolLoan.empty` /
+`lend` first has every generation give its memory back to the pool, and lets go of cuBLAS's workspaces, what stays
+allocated in the pool's large segments (the graphs keep writing all of it at their next replays), then `PoolLoan.empty` /
 `PoolLoan.flatten` allocate from the pool's free blocks: on the pool's capture stream, since the caching allocator
 keeps a pool's blocks per stream; the tensors are then used on the caller's stream, which they are recorded on. A pool
 as the captures leave it is many segments (the allocator gives each large allocation its own), where a large loan
@@ -101,9 +101,10 @@ def lend(pool: GraphPool):
             pool.reserve_bytes = max(size, loan.bytes)
         return
     pool.close_all()
-    # cuBLAS's workspaces for the capture stream are the last pool memory still allocated, wherever the captures
-    # placed them: let go of them (the graphs keep writing them as scratch at their replays, as they do every block
-    # given back), or they would split the reserved segment and no loan as large as it would fit
+    # cuBLAS's workspaces for the capture stream are what stays allocated in the pool's reserved segment, wherever
+    # the captures placed them: let go of them (the graphs keep writing them as scratch at their replays, as they do
+    # every block given back), or they would split the segment and no loan as large as it would fit. This clears
+    # every stream's workspace; GEMMs outside the graphs make theirs anew from the allocator's cache
     torch._C._cuda_clearCublasWorkspaces()
     loan = PoolLoan(pool)
     try:
