@@ -12,17 +12,17 @@ that memory:
         ...                            # every lent tensor must be gone when the block ends
 
 `lend` first has every generation give its memory back to the pool, and lets go of cuBLAS's workspaces, what stays
-allocated in the pool's large segments (the graphs keep writing all of it at their next replays), then `PoolLoan.empty` /
-`PoolLoan.flatten` allocate from the pool's free blocks: on the pool's capture stream, since the caching allocator
-keeps a pool's blocks per stream; the tensors are then used on the caller's stream, which they are recorded on. A pool
-as the captures leave it is many segments (the allocator gives each large allocation its own), where a large loan
-finds no free block big enough. So the first loan (the pool has no reserved size yet) drops the pool instead: its
-memory goes back to the device, the loan's tensors come from ordinary memory, and the layers capture anew at the next
-forward into one segment of max(the pool's size, the loan's size) reserved up front (GraphPool.reserve_bytes), where
-every later loan fits. The step that sizes the pool thus needs no memory beyond the pool's. A later loan larger than
-that segment takes new memory and has the pool grow the same way at the next step. A lent tensor still referenced when
-the block ends would be overwritten by the next replay: the pool then drops its graphs and captures anew at the next
-step (the tensor keeps the old memory), with one warning.
+allocated in the pool's large segments (the graphs keep writing all of it at their next replays), then
+`PoolLoan.empty` / `PoolLoan.flatten` allocate from the pool's free blocks: on the pool's capture stream, since the
+caching allocator keeps a pool's blocks per stream; the tensors are then used on the caller's stream, which they are
+recorded on. A pool as the captures leave it is many segments (the allocator gives each large allocation its own),
+where a large loan finds no free block big enough. So the first loan (the pool has no reserved size yet) drops the
+pool instead: its memory goes back to the device, the loan's tensors come from ordinary memory, and the layers capture
+anew at the next forward into one segment of max(the pool's size, the loan's size) reserved up front
+(GraphPool.reserve_bytes), where every later loan fits. The step that sizes the pool thus needs no memory beyond the
+pool's. A later loan larger than that segment takes new memory and has the pool grow the same way at the next step. A
+lent tensor still referenced when the block ends would be overwritten by the next replay: the pool then drops its
+graphs and captures anew at the next step (the tensor keeps the old memory), with one warning.
 """
 from __future__ import annotations
 
